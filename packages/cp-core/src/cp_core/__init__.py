@@ -1,0 +1,61 @@
+"""cp_core: context-parallel batch sharding for PyTorch.
+
+The sharder contract (:class:`ContextParallelSharder`, :class:`ShardLayout`), the static index
+maps, the framework ``shard_batch`` implementations, and the CP mesh stand-in. Backends are
+selected through :mod:`cp_core.registry`.
+"""
+
+from cp_core.batch import convert_attention_mask_to_padding_mask
+from cp_core.errors import (
+    CPAttentionError,
+    CPBackendLoadError,
+    CPBackendNotFoundError,
+    CPBatchError,
+    CPConfigError,
+    CPError,
+    CPLayoutError,
+)
+from cp_core.framework import (
+    shard_batch_aux_only,
+    shard_batch_contiguous,
+    shard_batch_identity,
+    shard_batch_load_balanced,
+    shard_sequence_for_cp_contiguous,
+    shard_sequence_for_cp_round_robin,
+)
+from cp_core.layout import (
+    ShardLayout,
+    contiguous_local_indices,
+    identity_local_indices,
+    round_robin_local_indices,
+)
+from cp_core.mesh import SimulatedCPMesh
+from cp_core.sharder import ContextParallelSharder
+from cp_core.tokens import gather_token_tensor_by_indices, shard_token_tensor_by_indices
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ShardLayout",
+    "ContextParallelSharder",
+    "SimulatedCPMesh",
+    "identity_local_indices",
+    "contiguous_local_indices",
+    "round_robin_local_indices",
+    "shard_token_tensor_by_indices",
+    "gather_token_tensor_by_indices",
+    "shard_batch_identity",
+    "shard_batch_contiguous",
+    "shard_batch_load_balanced",
+    "shard_batch_aux_only",
+    "shard_sequence_for_cp_round_robin",
+    "shard_sequence_for_cp_contiguous",
+    "convert_attention_mask_to_padding_mask",
+    "CPError",
+    "CPBatchError",
+    "CPConfigError",
+    "CPLayoutError",
+    "CPAttentionError",
+    "CPBackendNotFoundError",
+    "CPBackendLoadError",
+]

@@ -1,0 +1,1 @@
+"""SDPA interception and the CP attention transports."""

@@ -1,0 +1,99 @@
+"""What the attention transport needs to know for one step: the plan and its token mask.
+
+A plan is built by a backend's ``shard_batch`` on the full batch (every rank holds it), so no
+communication is needed to know which key each query may see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol
+
+import torch
+
+AttentionKind = Literal["causal", "bidirectional", "sliding_window", "chunked"]
+ATTENTION_KINDS: tuple[str, ...] = ("causal", "bidirectional", "sliding_window", "chunked")
+
+
+class TokenMask(Protocol):
+    """Which (query, key) pairs of global stream positions may attend."""
+
+    def block(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B or 1, len(q_index), len(k_index)]``: True where the query sees the key."""
+        ...
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """Document-restricted attention over a padded stream.
+
+    ``doc_ids [B, S_pad]`` (0 == pad, never attended) and ``doc_pos [B, S_pad]`` (position
+    within the document) define it; ``kind`` selects causal, bidirectional, sliding window of
+    ``window`` tokens (the query and the ``window - 1`` keys before it) or chunked local
+    attention (causal within aligned chunks of ``chunk`` tokens of each document).
+    """
+
+    doc_ids: torch.Tensor
+    doc_pos: torch.Tensor
+    kind: AttentionKind = "causal"
+    window: int | None = None
+    chunk: int | None = None
+
+    def block(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B, len(q), len(k)]`` mask of the allowed pairs."""
+        qd = self.doc_ids.index_select(1, q_index).unsqueeze(2)
+        kd = self.doc_ids.index_select(1, k_index).unsqueeze(1)
+        allowed = (qd == kd) & (kd > 0)
+        if self.kind == "bidirectional":
+            return allowed
+        qp = self.doc_pos.index_select(1, q_index).unsqueeze(2)
+        kp = self.doc_pos.index_select(1, k_index).unsqueeze(1)
+        allowed = allowed & (kp <= qp)
+        if self.kind == "sliding_window":
+            allowed = allowed & (qp - kp < int(self.window or 0))
+        elif self.kind == "chunked":
+            c = int(self.chunk or 1)
+            allowed = allowed & (torch.div(qp, c, rounding_mode="floor")
+                                 == torch.div(kp, c, rounding_mode="floor"))
+        return allowed
+
+
+Transport = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything a CP attention transport needs for one step.
+
+    Attributes:
+        cp_mesh: the CP mesh (its process group is resolved when attention runs, so a plan
+            can be built and inspected with a simulated mesh).
+        cp_rank / cp_size: this rank and the CP size.
+        q_index: ``[n_local]`` global stream positions of this rank's tokens (local order).
+        rank_indices: ``[cp, n_local]`` global positions of every rank's tokens (rank order).
+        mask: which global (query, key) pairs may attend.
+        kind: the attention kind the sharder was configured for.
+        transport: the function serving SDPA calls, ``transport(q, k, v, plan, **sdpa_kwargs)``;
+            None selects the default all-gather transport.
+        options: transport options (block budget, exchange, ...).
+    """
+
+    cp_mesh: Any
+    cp_rank: int
+    cp_size: int
+    q_index: torch.Tensor
+    rank_indices: torch.Tensor
+    mask: TokenMask
+    kind: AttentionKind = "causal"
+    transport: Transport | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group(self) -> Any:
+        """The CP process group (None at size 1); raises for a simulated mesh of size > 1."""
+        from cp_core.mesh import cp_group
+
+        return cp_group(self.cp_mesh)
+
+
+__all__ = ["AttentionKind", "ATTENTION_KINDS", "TokenMask", "DocumentMask", "AttentionPlan"]

@@ -1,0 +1,161 @@
+"""The collectives cp_core issues, in one place, with a counter of calls and bytes.
+
+Every collective the library sends goes through these wrappers so that tests and benchmarks
+can count exactly what crosses the wire (``with count_collectives() as stats: ...``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Collectives issued while a :func:`count_collectives` block was active."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+
+    @property
+    def total_calls(self) -> int:
+        """All collectives together."""
+        return sum(self.calls.values())
+
+    def record(self, op: str, nbytes: int) -> None:
+        """Count one collective of kind ``op`` that sent ``nbytes`` from this rank."""
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes_sent += int(nbytes)
+
+
+_local = threading.local()
+
+
+def _active() -> list[CommStats]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CommStats]:
+    """Count the collectives cp_core issues on this thread inside the block."""
+    stats = CommStats()
+    _active().append(stats)
+    try:
+        yield stats
+    finally:
+        _active().remove(stats)
+
+
+def _record(op: str, nbytes: int) -> None:
+    for stats in _active():
+        stats.record(op, nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """All-gather equally shaped tensors; returns one tensor per rank in rank order."""
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _record("all_gather", _nbytes(tensor))
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def all_to_all(inputs: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Send ``inputs[j]`` to rank j; returns what each rank sent here, in rank order.
+
+    Shapes may differ per peer; receivers learn them with one small exchange first.
+    """
+    size = dist.get_world_size(group)
+    inputs = [t.contiguous() for t in inputs]
+    ndim = inputs[0].dim()
+    shapes = torch.tensor([list(t.shape) for t in inputs], dtype=torch.long)
+    recv_shapes = torch.empty(size, ndim, dtype=torch.long)
+    _record("all_to_all", _nbytes(shapes))
+    dist.all_to_all_single(recv_shapes, shapes, group=group)
+    outs = [
+        torch.empty(tuple(int(s) for s in recv_shapes[j]), dtype=inputs[0].dtype,
+                    device=inputs[0].device)
+        for j in range(size)
+    ]
+    _record("all_to_all", sum(_nbytes(t) for t in inputs))
+    dist.all_to_all(outs, inputs, group=group)
+    return outs
+
+
+def all_to_all_same_shape(inputs: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """All-to-all where every rank sends and receives tensors shaped like ``inputs[0]``."""
+    inputs = [t.contiguous() for t in inputs]
+    outs = [torch.empty_like(inputs[0]) for _ in inputs]
+    _record("all_to_all", sum(_nbytes(t) for t in inputs))
+    dist.all_to_all(outs, inputs, group=group)
+    return outs
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce (no-op without a group); returns the tensor."""
+    if group is None:
+        return tensor
+    _record("all_reduce", _nbytes(tensor))
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _DiffAllGather(torch.autograd.Function):
+    """All-gather whose backward is either the local slice or a reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, dim: int,  # type: ignore[override]
+                grad_mode: str) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.grad_mode = group, dim, grad_mode
+        ctx.rank = dist.get_rank(group)
+        ctx.n = tensor.shape[dim]
+        parts = all_gather(tensor, group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        chunks = list(grad.split(ctx.n, dim=ctx.dim))
+        if ctx.grad_mode == "slice":
+            return chunks[ctx.rank].contiguous(), None, None, None
+        # Reduce-scatter through all-to-all, since gloo has no reduce_scatter: rank j
+        # receives every rank's gradient for its own slice and sums them.
+        received = all_to_all_same_shape(chunks, ctx.group)
+        return torch.stack(received).sum(0), None, None, None
+
+
+def differentiable_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                              grad_mode: str = "slice") -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (rank order), differentiably.
+
+    ``grad_mode="slice"``: the gradient of the local input is this rank's slice of the
+    upstream gradient (the right rule when every rank computes the same thing from the
+    gathered tensor). ``grad_mode="sum"``: the slices of every rank's upstream gradient are
+    summed (reduce-scatter), the rule when ranks compute different things from it.
+    """
+    if grad_mode not in ("slice", "sum"):
+        raise ValueError(f"grad_mode must be 'slice' or 'sum', got {grad_mode!r}")
+    return _DiffAllGather.apply(tensor, group, dim, grad_mode)
+
+
+__all__ = [
+    "CommStats",
+    "count_collectives",
+    "all_gather",
+    "all_to_all",
+    "all_to_all_same_shape",
+    "all_reduce",
+    "differentiable_all_gather",
+]

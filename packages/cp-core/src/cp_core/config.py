@@ -1,0 +1,80 @@
+"""Pydantic base configuration shared by every backend.
+
+A backend subclasses :class:`CPBackendConfig`, adding its own documented fields. Unknown keys
+are refused (``extra="forbid"``), so a typo in ``cp.pad_multple=4`` is an error, not a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cp_core.errors import CPConfigError
+from cp_core.mesh import cp_size
+
+
+class CPBackendConfig(BaseModel):
+    """Fields every CP backend understands."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              use_attribute_docstrings=True)
+
+    backend: str
+    """Registered name of the backend (the entry point name)."""
+    size: int = Field(1, ge=1)
+    """CP size: ranks that share one sequence; must equal the size of the CP mesh."""
+    padding_token_id: int = 0
+    """Token id written into ``input_ids`` pad slots (layouts that pad with the pad token)."""
+    attention: Literal["causal", "bidirectional", "sliding_window", "chunked"] = "causal"
+    """Attention the model computes: causal (per document when packed), bidirectional,
+    sliding_window (``window`` tokens) or chunked local attention (``chunk`` tokens)."""
+    window: int | None = Field(None, ge=1)
+    """Sliding-window width in tokens (query plus window - 1 keys before it)."""
+    chunk: int | None = Field(None, ge=1)
+    """Chunk size of chunked local attention."""
+    pad_multiple: int = Field(1, ge=1)
+    """User multiple every layout chunk (hence every rank's shard) is padded to."""
+    block_size: int = Field(1, ge=1)
+    """Kernel block size each rank's shard must be a multiple of (16 for FP8, 128 for block masks)."""
+    sequence_parallel: bool = False
+    """Tensor-parallel sequence parallelism splits each shard again: pad to the TP size too."""
+    verify_layout: bool = False
+    """Check with one small collective per step that every CP rank was fed the same batch and
+    computed the same layout."""
+    attn_block_budget_mb: float = Field(64.0, gt=0)
+    """Largest local score matrix (MiB, fp32) the transport builds at once before switching to
+    blocked online-softmax attention."""
+
+    @model_validator(mode="after")
+    def _check_attention(self) -> "CPBackendConfig":
+        if self.attention == "sliding_window" and self.window is None:
+            raise ValueError("attention='sliding_window' needs window=<tokens>")
+        if self.attention == "chunked" and self.chunk is None:
+            raise ValueError("attention='chunked' needs chunk=<tokens>")
+        return self
+
+    def check_mesh(self, cp_mesh: Any) -> None:
+        """Raise :class:`CPConfigError` when the mesh's CP size differs from ``size``."""
+        actual = cp_size(cp_mesh)
+        if actual != self.size:
+            raise CPConfigError(
+                f"cp.size={self.size} but the CP mesh has {actual} rank(s); set cp.size={actual} "
+                "or build the mesh with the configured size"
+            )
+
+    def common_shard_kwargs(self, tp_mesh: Any = None) -> dict[str, Any]:
+        """Keyword arguments of the framework ``shard_batch`` functions taken from this config."""
+        return {
+            "pad_multiple": self.pad_multiple,
+            "block_size": self.block_size,
+            "sequence_parallel": self.sequence_parallel,
+            "tp_size": cp_size(tp_mesh) if tp_mesh is not None else 1,
+            "attention": self.attention,
+            "window": self.window,
+            "chunk": self.chunk,
+            "transport_options": {"block_budget_bytes": int(self.attn_block_budget_mb * 2**20)},
+        }
+
+
+__all__ = ["CPBackendConfig"]

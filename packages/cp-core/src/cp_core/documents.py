@@ -1,0 +1,84 @@
+"""Document ids and document-relative positions of packed rows.
+
+A packed row holds several documents; attention is causal within each. Documents come from
+``_packed_seq_ids`` (1-based id per token, 0 for pad), else ``position_ids`` that restart at 0,
+else the row is one document. ``padding_mask`` (True == pad) zeroes the ids of pad tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from cp_core.errors import CPBatchError
+
+
+def validate_document_ids(ids: torch.Tensor, key: str = "_packed_seq_ids") -> None:
+    """Check 1-based contiguous document ids: each row's non-zero ids are 1, 2, ... in runs."""
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise CPBatchError(f"batch[{key!r}] must be an integer tensor, got {ids.dtype}")
+    if (ids < 0).any():
+        raise CPBatchError(f"batch[{key!r}] has negative document ids (min {int(ids.min())})")
+    # A document id must appear as one run and ids must increase by at most 1 at each change,
+    # skipping over pad (0) tokens.
+    for row in range(ids.shape[0]):
+        r = ids[row]
+        r = r[r > 0]
+        if r.numel() == 0:
+            continue
+        step = r[1:] - r[:-1]
+        if int(r[0]) != 1 or bool((step < 0).any()) or bool((step > 1).any()):
+            raise CPBatchError(
+                f"batch[{key!r}] row {row} has document ids {_preview(r)} which are not "
+                "contiguous runs 1, 2, 3, ... (each document one run, in order)"
+            )
+
+
+def _preview(t: torch.Tensor, n: int = 12) -> str:
+    vals = torch.unique_consecutive(t).tolist()
+    return str(vals[:n]) + ("..." if len(vals) > n else "")
+
+
+def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """1-based document ids ``[B, S]`` from ``[B, S]`` positions that restart at 0."""
+    starts = torch.zeros_like(position_ids, dtype=torch.long)
+    starts[:, 1:] = (position_ids[:, 1:] == 0).long()
+    return starts.cumsum(1) + 1
+
+
+def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int,
+                         device: torch.device) -> torch.Tensor:
+    """Document id of every token ``[B, S]`` (int64, 1-based, 0 == pad) from a normalised batch."""
+    ids = batch.get("_packed_seq_ids")
+    if ids is not None:
+        validate_document_ids(ids)
+        ids = ids.to(device=device, dtype=torch.long)
+    else:
+        pos = batch.get("position_ids")
+        if isinstance(pos, torch.Tensor) and pos.dim() == 2:
+            ids = document_ids_from_position_ids(pos.to(device))
+        else:
+            ids = torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
+    pad = batch.get("padding_mask")
+    if isinstance(pad, torch.Tensor):
+        ids = ids.masked_fill(pad.to(device=device, dtype=torch.bool), 0)
+    return ids
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token within its document (``[B, S]``; pad tokens count on too)."""
+    bsz, seq = doc_ids.shape
+    ar = torch.arange(seq, device=doc_ids.device).expand(bsz, seq)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(is_start, ar, torch.zeros_like(ar)).cummax(dim=1).values
+    return ar - start
+
+
+__all__ = [
+    "validate_document_ids",
+    "document_ids_from_position_ids",
+    "resolve_document_ids",
+    "document_positions",
+]

@@ -1,0 +1,275 @@
+"""The framework ``shard_batch`` implementations and the in-forward slicing helpers.
+
+identity (no-op), contiguous, round-robin head-tail (load balanced) and aux-only (the primary
+stream left full length for a model that embeds and slices it in its own forward). All of
+them are one procedure — normalise, pad to the layout's divisor, keep this rank's indices —
+with a different index map and divisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping
+
+import torch
+
+from cp_core.attention.plan import AttentionKind, AttentionPlan, DocumentMask
+from cp_core.batch import (
+    NormalizedBatch,
+    normalize_batch,
+    pad_position_ids,
+    pad_seq_dim,
+    pad_value_for,
+)
+from cp_core.documents import document_positions, resolve_document_ids
+from cp_core.errors import CPBatchError
+from cp_core.layout import (
+    IndexFn,
+    ShardLayout,
+    all_rank_indices,
+    contiguous_local_indices,
+    identity_local_indices,
+    round_robin_local_indices,
+    round_up,
+)
+from cp_core.mesh import cp_rank, cp_size
+from cp_core.padding import contiguous_divisor, per_chunk_multiple, round_robin_divisor
+
+CtxFactory = Callable[[], ContextManager[Any]]
+ShardResult = tuple[CtxFactory, dict[str, Any], ShardLayout]
+
+
+def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
+    """A zero-arg factory whose context routes SDPA calls through ``plan`` (null without one)."""
+    if plan is None:
+        return contextlib.nullcontext
+
+    def factory() -> ContextManager[Any]:
+        from cp_core.attention.intercept import activate_plan
+
+        return activate_plan(plan)
+
+    return factory
+
+
+def build_document_mask(nb: NormalizedBatch, padded_len: int, *, attention: AttentionKind,
+                        window: int | None, chunk: int | None) -> DocumentMask:
+    """Document ids/positions of the padded rows (pad slots are document 0)."""
+    device = nb.primary.device
+    ids = resolve_document_ids(nb.batch, nb.batch_size, nb.seq_len, device)
+    ids = pad_seq_dim(ids, 1, padded_len - nb.seq_len, 0)
+    return DocumentMask(ids, document_positions(ids), attention, window, chunk)
+
+
+def make_plan(cp_mesh: Any, layout: ShardLayout, mask: DocumentMask, *,
+              attention: AttentionKind = "causal", transport: Callable | None = None,
+              options: Mapping[str, Any] | None = None) -> AttentionPlan:
+    """An :class:`AttentionPlan` for a layout (``transport=None``: the all-gather transport)."""
+    assert layout.local_token_global_indices is not None and layout.rank_global_indices is not None
+    return AttentionPlan(
+        cp_mesh=cp_mesh, cp_rank=layout.cp_rank, cp_size=layout.cp_size,
+        q_index=layout.local_token_global_indices, rank_indices=layout.rank_global_indices,
+        mask=mask, kind=attention, transport=transport, options=dict(options or {}),
+    )
+
+
+def shard_normalized(
+    nb: NormalizedBatch,
+    cp_mesh: Any,
+    index_fn: IndexFn,
+    divisor: int,
+    *,
+    padding_token_id: int = 0,
+    shard_primary: bool = True,
+    extra_pad_values: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], ShardLayout]:
+    """Pad every token-aligned key of ``nb`` to a multiple of ``divisor`` and keep this rank's
+    indices. Returns the new batch and its layout. ``padding_mask`` is always present after."""
+    size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
+    device = nb.primary.device
+    padded_len = round_up(nb.seq_len, divisor)
+    pad_len = padded_len - nb.seq_len
+    ranks = all_rank_indices(index_fn, size, padded_len, device)
+    local = ranks[rank]
+    out = dict(nb.batch)
+    if "padding_mask" not in out:
+        out["padding_mask"] = torch.zeros(nb.batch_size, nb.seq_len, dtype=torch.bool,
+                                          device=device)
+    seq_dims = dict(nb.seq_dims)
+    seq_dims["padding_mask"] = 1
+    contiguous = bool(size == 1 or torch.equal(local, torch.arange(
+        int(local[0]), int(local[0]) + local.numel(), device=device)))
+    for key, dim in seq_dims.items():
+        if key == nb.primary_key and not shard_primary:
+            continue
+        t = out[key]
+        if key == "position_ids":
+            t = pad_position_ids(t, dim, pad_len)
+        else:
+            t = pad_seq_dim(t, dim, pad_len, pad_value_for(key, t, padding_token_id,
+                                                              extra_pad_values))
+        # A contiguous run is a view (cheap, and still differentiable).
+        out[key] = (t.narrow(dim, int(local[0]), local.numel()) if contiguous
+                    else t.index_select(dim, local))
+    layout = ShardLayout(
+        local_token_global_indices=local, original_seq_len=nb.seq_len,
+        padded_seq_len=padded_len, rank_global_indices=ranks, pad_multiple=divisor,
+        cp_rank=rank, cp_size=size,
+    )
+    return out, layout
+
+
+def _finish(nb: NormalizedBatch, cp_mesh: Any, out: dict[str, Any], layout: ShardLayout, *,
+            attention: AttentionKind, window: int | None, chunk: int | None,
+            transport: Callable | None, transport_options: Mapping[str, Any] | None) -> ShardResult:
+    mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len, attention=attention,
+                               window=window, chunk=chunk)
+    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
+                     options=transport_options)
+    return make_transport_ctx(plan), out, layout
+
+
+def shard_batch_identity(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0, *, attention: AttentionKind = "causal",
+    window: int | None = None, chunk: int | None = None, transport: Callable | None = None,
+    transport_options: Mapping[str, Any] | None = None,
+) -> ShardResult:
+    """``shard_batch`` of the identity sharder: nothing moves, the layout is trivial.
+
+    The batch is normalised (position_ids, padding_mask) but not padded; the context still
+    routes SDPA through the transport at CP size 1, so packed documents and pad keys are
+    masked exactly as under CP (the reference every CP run is compared with).
+    """
+    if cp_size(cp_mesh) != 1:
+        raise CPBatchError(
+            f"the identity layout keeps every token on every rank; it needs CP size 1, "
+            f"got {cp_size(cp_mesh)}"
+        )
+    nb = normalize_batch(batch, loss_mask=loss_mask)
+    out, layout = shard_normalized(nb, None, identity_local_indices, 1,
+                                   padding_token_id=padding_token_id)
+    return _finish(nb, None, out, layout, attention=attention, window=window, chunk=chunk,
+                   transport=transport, transport_options=transport_options)
+
+
+def shard_batch_contiguous(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0, pad_multiple: int = 1,
+    extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None, shard_primary: bool = True, *,
+    tp_size: int = 1, sequence_parallel: bool = False, block_size: int = 1,
+    attention: AttentionKind = "causal", window: int | None = None, chunk: int | None = None,
+    transport: Callable | None = None, transport_options: Mapping[str, Any] | None = None,
+) -> ShardResult:
+    """Pad to ``cp * max(pad_multiple, 2)`` and keep rank r's slice ``[r*L/cp, (r+1)*L/cp)``.
+
+    ``input_ids`` pads with ``padding_token_id`` and ``position_ids`` continue through the pad.
+    Needs ``labels`` or a ``loss_mask``. ``shard_primary=False`` leaves the primary stream full
+    length for a model that slices it in its forward (:func:`shard_sequence_for_cp_contiguous`).
+    """
+    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
+    if "labels" not in nb.batch and "loss_mask" not in nb.batch:
+        raise CPBatchError(
+            "the contiguous layout needs 'labels' or a loss_mask to know which tokens carry "
+            f"loss; the batch has keys {sorted(batch)}"
+        )
+    m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
+                           sequence_parallel=sequence_parallel, block_size=block_size)
+    out, layout = shard_normalized(
+        nb, cp_mesh, contiguous_local_indices, contiguous_divisor(cp_size(cp_mesh), m),
+        padding_token_id=padding_token_id, shard_primary=shard_primary,
+        extra_pad_values=extra_pad_values,
+    )
+    return _finish(nb, cp_mesh, out, layout, attention=attention, window=window, chunk=chunk,
+                   transport=transport, transport_options=transport_options)
+
+
+def shard_batch_load_balanced(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0, extra_seq_buffers: Mapping[str, int] | None = None, *,
+    pad_multiple: int = 1, tp_size: int = 1, sequence_parallel: bool = False,
+    block_size: int = 1, shard_primary: bool = True, attention: AttentionKind = "causal",
+    window: int | None = None, chunk: int | None = None, transport: Callable | None = None,
+    transport_options: Mapping[str, Any] | None = None,
+) -> ShardResult:
+    """Round-robin head-tail shard: pad to ``2*cp`` (times the per-chunk multiple), rank r
+    keeps chunks r and ``2*cp-1-r``. Pad slots: ``input_ids`` 0 (they sit after every real
+    token and carry -100 labels), labels -100, padding_mask True, floats 0."""
+    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_buffers)
+    m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
+                           sequence_parallel=sequence_parallel, block_size=block_size)
+    out, layout = shard_normalized(
+        nb, cp_mesh, round_robin_local_indices, round_robin_divisor(cp_size(cp_mesh), m),
+        padding_token_id=0, shard_primary=shard_primary,
+    )
+    return _finish(nb, cp_mesh, out, layout, attention=attention, window=window, chunk=chunk,
+                   transport=transport, transport_options=transport_options)
+
+
+def shard_batch_aux_only(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0, extra_seq_buffers: Mapping[str, int] | None = None,
+    **kwargs: Any,
+) -> ShardResult:
+    """Round-robin shard of the auxiliary streams only; the primary stays full length.
+
+    ``labels`` is required. The model embeds the full primary stream and keeps its own chunks
+    with :func:`shard_sequence_for_cp_round_robin` (passing the same ``pad_multiple`` when a
+    per-chunk multiple is configured), matching the layout of the aux streams.
+    """
+    if batch.get("labels") is None:
+        raise CPBatchError(
+            f"the aux-only layout needs 'labels'; the batch has keys {sorted(batch)}"
+        )
+    return shard_batch_load_balanced(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id,
+                                      extra_seq_buffers, shard_primary=False, **kwargs)
+
+
+def _shard_sequence(cp_mesh: Any, tensor: torch.Tensor, seq_dim: int, pad_value: float | int,
+                    divisor: int, index_fn: IndexFn) -> tuple[torch.Tensor, torch.Tensor, int]:
+    dim = seq_dim % tensor.dim()
+    seq = tensor.shape[dim]
+    if cp_size(cp_mesh) == 1:
+        return tensor, torch.arange(seq, device=tensor.device), seq
+    padded = round_up(seq, divisor)
+    t = pad_seq_dim(tensor, dim, padded - seq, pad_value)
+    idx = index_fn(cp_mesh, padded, tensor.device)
+    return t.index_select(dim, idx), idx, padded
+
+
+def shard_sequence_for_cp_round_robin(
+    cp_mesh: Any, tensor: torch.Tensor, seq_dim: int = 1, pad_value: float | int = 0,
+    pad_multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pad to ``2*cp*pad_multiple`` and keep chunks r and ``2*cp-1-r`` inside a model forward
+    (differentiable, so gradients reach the embeddings). ``pad_multiple`` is the per-chunk
+    multiple the aux-only sharder was configured with. Returns ``(local, local_indices,
+    padded_seq_len)``; identity at CP size 1.
+    """
+    divisor = round_robin_divisor(cp_size(cp_mesh), pad_multiple)
+    return _shard_sequence(cp_mesh, tensor, seq_dim, pad_value, divisor, round_robin_local_indices)
+
+
+def shard_sequence_for_cp_contiguous(
+    cp_mesh: Any, tensor: torch.Tensor, seq_dim: int = 1, pad_value: float | int = 0,
+    pad_multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pad to ``cp * max(pad_multiple, 2)`` and keep this rank's contiguous slice
+    (differentiable). Returns ``(local, local_indices, padded_seq_len)``."""
+    divisor = contiguous_divisor(cp_size(cp_mesh), pad_multiple)
+    return _shard_sequence(cp_mesh, tensor, seq_dim, pad_value, divisor, contiguous_local_indices)
+
+
+__all__ = [
+    "shard_batch_identity",
+    "shard_batch_contiguous",
+    "shard_batch_load_balanced",
+    "shard_batch_aux_only",
+    "shard_sequence_for_cp_round_robin",
+    "shard_sequence_for_cp_contiguous",
+    "shard_normalized",
+    "build_document_mask",
+    "make_plan",
+    "make_transport_ctx",
+]
