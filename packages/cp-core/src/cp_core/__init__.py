@@ -5,6 +5,10 @@ maps, the framework ``shard_batch`` implementations, and the CP mesh stand-in. B
 selected through :mod:`cp_core.registry`.
 """
 
+from cp_core.attention.intercept import activate_plan, active_plan
+from cp_core.attention.kernel import blocked_attention
+from cp_core.attention.plan import AttentionPlan, DocumentMask
+from cp_core.attention.transport import allgather_sdpa
 from cp_core.batch import convert_attention_mask_to_padding_mask
 from cp_core.errors import (
     CPAttentionError,
@@ -23,12 +27,14 @@ from cp_core.framework import (
     shard_sequence_for_cp_contiguous,
     shard_sequence_for_cp_round_robin,
 )
+from cp_core.grads import allreduce_gradients
 from cp_core.layout import (
     ShardLayout,
     contiguous_local_indices,
     identity_local_indices,
     round_robin_local_indices,
 )
+from cp_core.loss import count_label_tokens, cp_cross_entropy
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.sharder import ContextParallelSharder
 from cp_core.tokens import gather_token_tensor_by_indices, shard_token_tensor_by_indices
@@ -51,6 +57,15 @@ __all__ = [
     "shard_sequence_for_cp_round_robin",
     "shard_sequence_for_cp_contiguous",
     "convert_attention_mask_to_padding_mask",
+    "AttentionPlan",
+    "DocumentMask",
+    "activate_plan",
+    "active_plan",
+    "blocked_attention",
+    "allgather_sdpa",
+    "cp_cross_entropy",
+    "count_label_tokens",
+    "allreduce_gradients",
     "CPError",
     "CPBatchError",
     "CPConfigError",

@@ -148,6 +148,13 @@ def normalize_batch(
     out = dict(batch)
     key, primary = resolve_primary(out)
     bsz, seq_len = int(primary.shape[0]), int(primary.shape[1])
+    am = out.get("attention_mask")
+    # Checked before the conversion so the error names the key the caller passed.
+    if isinstance(am, torch.Tensor) and am.dim() == 2 and tuple(am.shape) != (bsz, seq_len):
+        raise CPBatchError(
+            f"batch['attention_mask'] has shape {tuple(am.shape)}, expected [B, S] = "
+            f"[{bsz}, {seq_len}] to match batch[{key!r}] of shape {tuple(primary.shape)}"
+        )
     convert_attention_mask_to_padding_mask(out)
     if loss_mask is not None:
         out["loss_mask"] = loss_mask

@@ -218,7 +218,8 @@ def shard_batch_aux_only(
     with :func:`shard_sequence_for_cp_round_robin` (passing the same ``pad_multiple`` when a
     per-chunk multiple is configured), matching the layout of the aux streams.
     """
-    if batch.get("labels") is None:
+    # A non-mapping batch is reported by normalize_batch with its own clear message.
+    if isinstance(batch, Mapping) and batch.get("labels") is None:
         raise CPBatchError(
             f"the aux-only layout needs 'labels'; the batch has keys {sorted(batch)}"
         )

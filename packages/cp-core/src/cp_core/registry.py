@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from pydantic import ValidationError
 
+from cp_core.attention.plan import ATTENTION_KINDS
 from cp_core.config import CPBackendConfig
 from cp_core.errors import CPBackendLoadError, CPBackendNotFoundError, CPConfigError
 from cp_core.sharder import ContextParallelSharder
@@ -43,6 +44,8 @@ class Backend:
         description: one line shown by listings and ``cp-plan``.
         hydra_defaults: extra values of the backend's Hydra config node (beyond the model's
             defaults), e.g. a plugin's recommended settings.
+        attention_kinds: the attention kinds the backend can serve; a config asking for
+            another one is refused when the sharder is built, before any work.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Backend:
     factory: Callable[[Any, Any, Any], ContextParallelSharder]
     description: str = ""
     hydra_defaults: Mapping[str, Any] = field(default_factory=dict)
+    attention_kinds: tuple[str, ...] = ATTENTION_KINDS
 
     def make_config(self, values: Mapping[str, Any] | None = None) -> CPBackendConfig:
         """Validate ``values`` with the backend's model (``backend`` defaults to this name)."""
@@ -59,9 +63,15 @@ class Backend:
                 f"config says backend={data['backend']!r} but is being validated by {self.name!r}"
             )
         try:
-            return self.config_model.model_validate(data)
+            cfg = self.config_model.model_validate(data)
         except ValidationError as exc:
             raise CPConfigError(_format_validation(self.name, self.config_model, exc)) from exc
+        if cfg.attention not in self.attention_kinds:
+            raise CPConfigError(
+                f"CP backend {self.name!r} cannot serve attention={cfg.attention!r}; it serves "
+                f"{list(self.attention_kinds)} (the all-gather layouts serve every kind)"
+            )
+        return cfg
 
     def default_node(self) -> dict[str, Any]:
         """Plain-dict Hydra node: the model's defaults plus ``hydra_defaults``."""

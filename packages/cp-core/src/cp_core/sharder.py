@@ -110,7 +110,7 @@ class ContextParallelSharder:
         :func:`gather_token_tensor_by_indices`.
         """
         layout = self._require_layout("gather_token_tensor")
-        dim = self._dim(tensor, seq_dim)
+        dim = self._flat_stream_dim(tensor, self._dim(tensor, seq_dim), layout)
         local = self._local_indices(layout, tensor.device)
         full = gather_token_tensor_by_indices(
             self.cp_mesh, tensor, local, dim, rank_indices=layout.rank_global_indices,
@@ -145,6 +145,18 @@ class ContextParallelSharder:
                 f"seq_dim={seq_dim} is out of range for a tensor of shape {tuple(tensor.shape)}"
             )
         return seq_dim % tensor.dim()
+
+    @staticmethod
+    def _flat_stream_dim(tensor: torch.Tensor, dim: int, layout: ShardLayout) -> int:
+        # On a flat-stream layout (input_row_shape set) shard_token_tensor turns the caller's
+        # [B, S] dims (seq_dim - 1, seq_dim) into one token dim at seq_dim - 1; accept the same
+        # seq_dim on the way back so the two verbs are inverse with the same arguments.
+        idx = layout.local_token_global_indices
+        n_local = int(idx.numel()) if idx is not None else -1
+        if (layout.input_row_shape is not None and dim >= 1 and tensor.shape[dim] != n_local
+                and tensor.shape[dim - 1] == n_local):
+            return dim - 1
+        return dim
 
     @staticmethod
     def _local_indices(layout: ShardLayout, device: torch.device) -> torch.Tensor:

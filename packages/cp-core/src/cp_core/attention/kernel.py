@@ -25,9 +25,6 @@ import torch
 from cp_core.errors import CPAttentionError
 
 DEFAULT_BLOCK_BUDGET_BYTES: int = 64 << 20
-# Below this many keys per block, blocking columns further costs more in Python overhead than
-# it saves; row blocks take over instead.
-_MIN_KEY_BLOCK: int = 64
 
 
 class AllowAll:
@@ -46,20 +43,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def block_sizes(batch: int, heads: int, sq: int, sk: int, element_size: int,
                 budget_bytes: int) -> tuple[int, int]:
-    """``(rows, cols)`` of a score block ``batch*heads*rows*cols*element_size <= budget``.
+    """``(rows, cols)`` of a score block with ``batch*heads*rows*cols*element_size <= budget``.
 
-    The whole matrix when it fits; otherwise key blocks over all query rows; when even a key
-    block of ``_MIN_KEY_BLOCK`` columns over every row is too big, query rows are blocked too.
+    The whole matrix when it fits. Otherwise near-square blocks: under causal-style masks a
+    block above the diagonal is skipped entirely, which only happens when query rows are
+    blocked too (with all rows in one block, the last row sees every key block).
     """
     per_pair = max(1, batch * heads * element_size)
     if per_pair * sq * sk <= budget_bytes:
         return sq, sk
-    cols = budget_bytes // (per_pair * max(sq, 1))
-    if cols >= min(sk, _MIN_KEY_BLOCK):
-        return sq, max(1, min(cols, sk))
-    cols = min(sk, _MIN_KEY_BLOCK)
-    rows = max(1, budget_bytes // (per_pair * cols))
-    return min(rows, sq), cols
+    pairs = max(1, budget_bytes // per_pair)
+    rows = max(1, min(sq, math.isqrt(pairs)))
+    cols = max(1, min(sk, pairs // rows))
+    return rows, cols
 
 
 def _allowed(mask: Any, q_idx: torch.Tensor, k_idx: torch.Tensor, batch: int,

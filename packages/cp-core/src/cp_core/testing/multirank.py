@@ -29,6 +29,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
+#: Set in every worker to the pool's bound, read back by :func:`collective_timeout`.
+TIMEOUT_ENV = "CP_TEST_COLLECTIVE_TIMEOUT_S"
 
 
 class RankFailure(RuntimeError):
@@ -64,6 +66,7 @@ def _load(module: str, file: str | None, qualname: str) -> Callable[..., Any]:
 def _worker(rank: int, world: int, port: int, conn: Any, collective_timeout_s: float,
             env: dict[str, str]) -> None:
     os.environ.update(env)
+    os.environ[TIMEOUT_ENV] = str(collective_timeout_s)
     import torch
     import torch.distributed as dist
 
@@ -94,6 +97,16 @@ def _worker(rank: int, world: int, port: int, conn: Any, collective_timeout_s: f
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def collective_timeout() -> timedelta:
+    """The pool's collective bound, for subgroups a rank function creates.
+
+    ``dist.new_group`` / ``new_subgroups`` default to torch's 30-minute timeout, not the default
+    group's; pass ``timeout=collective_timeout()`` so a dead peer ends a subgroup's collective
+    within the pool's bound too.
+    """
+    return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)))
 
 
 class RankPool:
@@ -181,4 +194,5 @@ class RankPool:
         self._conns.clear()
 
 
-__all__ = ["RankPool", "RankFailure", "DEFAULT_COLLECTIVE_TIMEOUT_S"]
+__all__ = ["RankPool", "RankFailure", "DEFAULT_COLLECTIVE_TIMEOUT_S", "TIMEOUT_ENV",
+           "collective_timeout"]

@@ -1,0 +1,171 @@
+"""Batch preparation for block-diagonal CP: pad, keep a contiguous chunk, set up the step.
+
+Two variants, both returning ``(ctx_factory, local_batch, ShardLayout)`` and never mutating
+the caller's batch:
+
+* :func:`make_blockdiag_batch_and_ctx` — every token-aligned tensor (the primary stream
+  included; ``inputs_embeds`` is sliced differentiably, so gradients reach the embedding
+  table or vision tower that produced it) is padded to a multiple of the CP size (times the
+  configured per-rank multiples) and rank r keeps ``[r*L/cp, (r+1)*L/cp)``.
+* :func:`make_contiguous_aux_only_batch_and_ctx` — the primary stream stays full length for a
+  model that embeds and slices it in its own forward
+  (:func:`cp_core.shard_sequence_for_cp_contiguous` with the same ``pad_multiple``); only the
+  auxiliary streams are sharded, and ``_packed_seq_ids`` is synthesized on the full sequence
+  when absent (its pad-tail zeros depend on the global length, which a rank's forward cannot
+  see).
+
+Document ids come from :func:`cp_blockdiag.documents.resolve_document_ids`; every rank holds
+the full batch, so each computes the same K/V route and exchange without communicating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable, ContextManager, Mapping
+
+import torch
+
+from cp_blockdiag.documents import positions_in_document, resolve_document_ids
+from cp_blockdiag.routing import EXCHANGES, build_route
+from cp_blockdiag.runtime import BlockDiagState, activate_state, blockdiag_transport
+from cp_core.attention.plan import AttentionKind, DocumentMask
+from cp_core.batch import normalize_batch, pad_seq_dim, resolve_primary
+from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.framework import make_plan, shard_normalized
+from cp_core.layout import ShardLayout, contiguous_local_indices
+from cp_core.mesh import cp_rank, cp_size
+from cp_core.padding import contiguous_divisor, per_chunk_multiple
+
+ShardResult = tuple[Callable[[], ContextManager[Any]], dict[str, Any], ShardLayout]
+
+
+def _check_options(exchange: str, attention: str) -> None:
+    if exchange not in EXCHANGES:
+        raise CPConfigError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}")
+    if attention == "bidirectional":
+        raise CPConfigError(
+            "the blockdiag backend serves causal attention per document (keys from higher "
+            "ranks are never exchanged); attention='bidirectional' needs another backend, e.g. "
+            "cp=contiguous"
+        )
+
+
+def _prepare(batch: Mapping[str, Any], loss_mask: torch.Tensor | None,
+             extra_seq_keys: Mapping[str, int] | None, synthesize_seq_ids: bool
+             ) -> tuple[Any, torch.Tensor, str]:
+    """Resolve documents on a copy of ``batch`` and normalise it (cp_core conventions)."""
+    if not isinstance(batch, Mapping):
+        raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    work = dict(batch)
+    _, primary = resolve_primary(work)
+    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
+    doc_ids, source = resolve_document_ids(work, bsz, seq, primary.device)
+    mask = work.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        # Its information now lives in doc_ids; the model must not see a full-length mask.
+        del work["attention_mask"]
+    pad = work.get("padding_mask")
+    no_doc = doc_ids == 0
+    work["padding_mask"] = no_doc if pad is None else (pad.to(torch.bool) | no_doc)
+    if synthesize_seq_ids and work.get("_packed_seq_ids") is None:
+        work["_packed_seq_ids"] = doc_ids
+    nb = normalize_batch(work, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
+    return nb, doc_ids, source
+
+
+def _finish(nb: Any, cp_mesh: Any, doc_ids: torch.Tensor, source: str, out: dict[str, Any],
+            layout: ShardLayout, *, exchange: str, attention: AttentionKind,
+            window: int | None, chunk: int | None,
+            transport_options: Mapping[str, Any] | None) -> ShardResult:
+    padded_len = int(layout.padded_seq_len or nb.seq_len)
+    ids = pad_seq_dim(doc_ids, 1, padded_len - nb.seq_len, 0)
+    mask = DocumentMask(ids, positions_in_document(ids), attention, window, chunk)
+    route = build_route(ids, cp_size(cp_mesh), cp_rank(cp_mesh), exchange)
+    options = {**dict(transport_options or {}), "exchange": route.exchange,
+               "blockdiag_route": route}
+    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=blockdiag_transport,
+                     options=options)
+    layout = dataclasses.replace(layout, extras={"exchange": route.exchange,
+                                                 "document_source": source})
+    state = BlockDiagState(plan, route)
+    return partial(activate_state, state), out, layout
+
+
+def make_blockdiag_batch_and_ctx(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any],
+    loss_mask: torch.Tensor | None = None, padding_token_id: int = 0, *,
+    exchange: str = "auto", pad_multiple: int = 1, tp_size: int = 1,
+    sequence_parallel: bool = False, block_size: int = 1, attention: AttentionKind = "causal",
+    window: int | None = None, chunk: int | None = None,
+    transport_options: Mapping[str, Any] | None = None,
+    extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None,
+) -> ShardResult:
+    """Contiguously shard a (pre-embedded) packed batch for block-diagonal CP.
+
+    Args:
+        cp_mesh: 1-D DeviceMesh, ProcessGroup, None or SimulatedCPMesh.
+        tp_mesh: unused here (TP only enters through ``tp_size`` with sequence parallel).
+        batch: ``inputs_embeds [B, S, H]`` (or ``input_ids [B, S]``) plus token-aligned keys;
+            documents from ``_packed_seq_ids``, a 4-D block-causal or 2-D ``attention_mask``.
+        loss_mask: optional ``[B, S]`` per-token loss weight; padded with 0 and sharded.
+        padding_token_id: fill of ``input_ids`` pad slots.
+        exchange: ``auto``, ``allgather``, ``halo`` or ``a2a`` (see :mod:`cp_blockdiag.routing`).
+        pad_multiple / tp_size / sequence_parallel / block_size: per-rank length multiples.
+        attention / window / chunk: causal per document, or sliding-window / chunked within it.
+        transport_options: e.g. ``{"block_budget_bytes": ...}`` for the attention kernel.
+        extra_seq_keys / extra_pad_values: more token-aligned keys (seq dim) and their fills.
+
+    Returns:
+        ``(ctx_factory, local_batch, layout)``: ``attention_mask`` dropped, ``padding_mask``
+        (True == pad) added, every token-aligned tensor this rank's chunk; entering
+        ``ctx_factory()`` routes SDPA calls to :func:`cp_blockdiag.cp_blockdiag_sdpa`.
+    """
+    _check_options(exchange, attention)
+    nb, doc_ids, source = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=False)
+    m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
+                           sequence_parallel=sequence_parallel, block_size=block_size)
+    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, cp_size(cp_mesh) * m,
+                                   padding_token_id=padding_token_id,
+                                   extra_pad_values=extra_pad_values)
+    return _finish(nb, cp_mesh, doc_ids, source, out, layout, exchange=exchange,
+                   attention=attention, window=window, chunk=chunk,
+                   transport_options=transport_options)
+
+
+def make_contiguous_aux_only_batch_and_ctx(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any],
+    loss_mask: torch.Tensor | None = None, padding_token_id: int = 0, *,
+    exchange: str = "auto", pad_multiple: int = 1, tp_size: int = 1,
+    sequence_parallel: bool = False, block_size: int = 1, attention: AttentionKind = "causal",
+    window: int | None = None, chunk: int | None = None,
+    transport_options: Mapping[str, Any] | None = None,
+    extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None,
+) -> ShardResult:
+    """Aux-only contiguous shard: the primary stream (and any key not token-aligned, e.g.
+    ``pixel_values``) stays full length; ``labels``, ``position_ids``, ``loss_mask``,
+    ``padding_mask``, ``_packed_seq_ids`` (synthesized when absent) and ``extra_seq_keys``
+    are padded and sharded.
+
+    The padded length matches :func:`cp_core.shard_sequence_for_cp_contiguous` with the same
+    per-rank ``pad_multiple`` (``cp * max(multiple, 2)``; no padding at CP size 1), so the
+    model's in-forward slice lines up with these streams. Arguments and return as
+    :func:`make_blockdiag_batch_and_ctx`.
+    """
+    _check_options(exchange, attention)
+    nb, doc_ids, source = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=True)
+    m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
+                           sequence_parallel=sequence_parallel, block_size=block_size)
+    size = cp_size(cp_mesh)
+    divisor = 1 if size == 1 else contiguous_divisor(size, m)
+    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, divisor,
+                                   padding_token_id=padding_token_id, shard_primary=False,
+                                   extra_pad_values=extra_pad_values)
+    return _finish(nb, cp_mesh, doc_ids, source, out, layout, exchange=exchange,
+                   attention=attention, window=window, chunk=chunk,
+                   transport_options=transport_options)
+
+
+__all__ = ["make_blockdiag_batch_and_ctx", "make_contiguous_aux_only_batch_and_ctx"]

@@ -1,0 +1,37 @@
+"""Configuration of the ``blockdiag`` backend (validated by pydantic, set through Hydra)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from cp_core.config import CPBackendConfig
+
+
+class BlockDiagConfig(CPBackendConfig):
+    """Contiguous shards with per-document causal attention and a cheap K/V exchange."""
+
+    exchange: Literal["auto", "allgather", "halo", "a2a"] = "auto"
+    """K/V exchange: auto (cheapest valid, decided identically on every rank), allgather,
+    halo (neighbour point-to-point; only when straddling documents start on the left
+    neighbour) or a2a (all-to-all of exactly the rows each rank needs)."""
+    aux_only: bool = False
+    """Shard only the auxiliary streams; the model embeds and slices the full primary stream
+    in its forward with cp_core.shard_sequence_for_cp_contiguous (same pad_multiple)."""
+
+    @model_validator(mode="after")
+    def _check_causal(self) -> "BlockDiagConfig":
+        if self.attention == "bidirectional":
+            raise ValueError(
+                "blockdiag serves causal attention per document; attention='bidirectional' "
+                "needs another backend (e.g. cp=contiguous)"
+            )
+        return self
+
+    def shard_kwargs(self, tp_mesh: Any = None) -> dict[str, Any]:
+        """Keyword arguments of the blockdiag batch-prep functions taken from this config."""
+        return {**self.common_shard_kwargs(tp_mesh), "exchange": self.exchange}
+
+
+__all__ = ["BlockDiagConfig"]

@@ -1,0 +1,131 @@
+"""Per-document causal SDPA over contiguous shards: the per-step state and the attention call.
+
+The state of one step (the attention plan, this rank's K/V route, the block budget) lives in
+a :class:`contextvars.ContextVar`. The ``ctx_factory`` returned by the blockdiag batch prep
+activates it together with cp_core's SDPA interception, so a model's
+``scaled_dot_product_attention`` calls reach :func:`blockdiag_transport`; a model may also call
+:func:`cp_blockdiag_sdpa` directly while the context is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from cp_blockdiag.exchange import exchange_kv
+from cp_blockdiag.routing import KVRoute
+from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
+from cp_core.attention.plan import AttentionPlan
+from cp_core.attention.transport import check_local_shapes, resolve_causal
+from cp_core.errors import CPAttentionError
+
+
+@dataclass(frozen=True)
+class BlockDiagState:
+    """What the runtime needs for one step: the plan (queries, mask, mesh) and the route."""
+
+    plan: AttentionPlan
+    route: KVRoute
+
+    @property
+    def exchange(self) -> str:
+        """The resolved K/V exchange of this step."""
+        return self.route.exchange
+
+
+_STATE: contextvars.ContextVar[BlockDiagState | None] = contextvars.ContextVar(
+    "cp_blockdiag_state", default=None)
+
+
+def current_state() -> BlockDiagState | None:
+    """The state activated by the enclosing blockdiag context, or None outside one."""
+    return _STATE.get()
+
+
+@contextlib.contextmanager
+def activate_state(state: BlockDiagState, *, intercept: bool = True) -> Iterator[BlockDiagState]:
+    """Make ``state`` current and (``intercept=True``) route SDPA calls to this runtime."""
+    token = _STATE.set(state)
+    try:
+        if intercept:
+            from cp_core.attention.intercept import activate_plan
+
+            with activate_plan(state.plan):
+                yield state
+        else:
+            yield state
+    finally:
+        _STATE.reset(token)
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockDiagState,
+                     scale: float | None) -> torch.Tensor:
+    plan, route = state.plan, state.route
+    group = plan.group if plan.cp_size > 1 else None
+    k_all, v_all, extra = exchange_kv(k, v, route, group)
+    q_index = plan.q_index.to(q.device)
+    if route.exchange == "allgather" and plan.cp_size > 1:
+        k_index = plan.rank_indices.reshape(-1).to(q.device)
+    else:
+        k_index = torch.cat([extra.to(q.device), q_index]) if extra is not None else q_index
+    budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
+    return blocked_attention(q, k_all, v_all, q_index, k_index, plan.mask, scale=scale,
+                             block_budget_bytes=budget)
+
+
+def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                        *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        is_causal: bool = False, scale: float | None = None,
+                        enable_gqa: bool = False) -> torch.Tensor:
+    """cp_core transport entry (``plan.transport``): serve one intercepted SDPA call.
+
+    The route comes from the active state when it belongs to ``plan``, else from
+    ``plan.options["blockdiag_route"]`` (a plan activated without the blockdiag context).
+    """
+    state = _STATE.get()
+    if state is None or state.plan is not plan:
+        route = plan.options.get("blockdiag_route")
+        if not isinstance(route, KVRoute):
+            raise CPAttentionError(
+                "the blockdiag transport was called without its step state; run the model "
+                "inside the ctx_factory() returned by the blockdiag sharder"
+            )
+        state = BlockDiagState(plan, route)
+    resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
+    check_local_shapes(q, k, v, plan, enable_gqa)
+    return _local_attention(q, k, v, state, scale)
+
+
+def cp_blockdiag_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                      is_causal: bool = True, scale: float | None = None,
+                      enable_gqa: bool = False) -> torch.Tensor:
+    """Per-document causal attention of this rank's queries across the contiguous shards.
+
+    Same arguments as ``scaled_dot_product_attention`` (``is_causal`` defaults to True: the
+    runtime serves causal attention, per document); ``q``/``k``/``v`` are this rank's
+    ``[B, H, n_local, D]`` projections. K/V rows move by the step's exchange (all-gather,
+    halo or all-to-all); gradients flow back to their owners. Must run inside the
+    blockdiag ``ctx_factory()``.
+    """
+    state = _STATE.get()
+    if state is None:
+        raise CPAttentionError(
+            "cp_blockdiag_sdpa needs an active blockdiag step: call it inside the ctx_factory() "
+            "returned by the blockdiag sharder"
+        )
+    return blockdiag_transport(q, k, v, state.plan, attn_mask=attn_mask, dropout_p=dropout_p,
+                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+__all__ = [
+    "BlockDiagState",
+    "current_state",
+    "activate_state",
+    "blockdiag_transport",
+    "cp_blockdiag_sdpa",
+]

@@ -1,0 +1,236 @@
+"""The default CP attention transport: all-gather K/V, mask by global token indices.
+
+Every rank gathers the keys and values of every CP rank (one collective for both, whose
+backward sums each rank's K/V gradient contributions back to the owner), names the gathered
+rows by the layout's global indices, and runs :func:`blocked_attention` on its local queries
+with the plan's mask. It serves every layout, on any device.
+
+The SDPA call says which attention the model wants; the transport serves it only when it
+agrees with the sharder's configured kind (issue 10, item 3):
+
+* ``is_causal=True`` → the plan's mask (causal, sliding window or chunked are all causal
+  based, per document when packed); refused when the plan is bidirectional.
+* no mask, ``is_causal=False`` → bidirectional; served only when the plan is bidirectional.
+* an explicit ``attn_mask`` → accepted only when it is exactly the plain causal mask over the
+  local length (what Hugging Face builds from local cache positions), then treated like
+  ``is_causal=True``. Any other mask raises: the transport builds masks from global
+  positions and would otherwise drop the caller's mask silently.
+* ``dropout_p > 0`` raises.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
+from cp_core.attention.plan import AttentionPlan
+from cp_core.errors import CPAttentionError
+
+# An additive mask entry at or below this is "masked": exp(-1e4) underflows to exactly 0 in
+# fp16, bf16, fp32 and fp64, so such an entry removes the key just like -inf does.
+_MASKED_ADDITIVE = -1.0e4
+
+_cache = threading.local()
+
+
+def _plain_causal(mask: torch.Tensor, n: int) -> bool:
+    """True when ``mask`` (bool or additive float, ``[..., n, n]``) is the plain causal mask."""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
+        return False
+    tri = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == tri).all())
+    if mask.is_floating_point():
+        keep_ok = (mask == 0) | ~tri
+        drop_ok = (mask <= _MASKED_ADDITIVE) | tri
+        return bool((keep_ok & drop_ok).all())
+    return False
+
+
+def _is_plain_causal_cached(mask: torch.Tensor, n: int) -> bool:
+    """:func:`_plain_causal`, remembered for the last mask seen on this thread.
+
+    A model passes the same mask object to every layer; checking it once per forward is
+    enough. The weak reference plus version counter make sure a new or modified tensor is
+    checked again.
+    """
+    entry = getattr(_cache, "entry", None)
+    if entry is not None:
+        ref, version, size, result = entry
+        if ref() is mask and version == mask._version and size == n:
+            return result
+    result = _plain_causal(mask, n)
+    try:
+        _cache.entry = (weakref.ref(mask), mask._version, n, result)
+    except TypeError:  # pragma: no cover - tensors support weak references
+        pass
+    return result
+
+
+def _describe(plan: AttentionPlan) -> str:
+    return f"the sharder is configured for cp.attention={plan.kind!r}"
+
+
+def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor | None,
+                   dropout_p: float, is_causal: bool) -> None:
+    """Raise :class:`CPAttentionError` unless the SDPA call agrees with the plan's kind."""
+    if dropout_p and dropout_p > 0:
+        raise CPAttentionError(
+            f"scaled_dot_product_attention(dropout_p={dropout_p}) is not supported by the CP "
+            "transport; set the model's attention dropout to 0"
+        )
+    if attn_mask is not None:
+        if is_causal:
+            raise CPAttentionError(
+                "scaled_dot_product_attention got both attn_mask and is_causal=True; pass one"
+            )
+        n = q.shape[-2]
+        if not isinstance(attn_mask, torch.Tensor) or not _is_plain_causal_cached(attn_mask, n):
+            shape = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else attn_mask
+            dtype = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask)
+            raise CPAttentionError(
+                f"the CP attention transport cannot honour an explicit attn_mask of shape "
+                f"{shape} ({dtype}): it builds the mask from global token positions "
+                f"({_describe(plan)}) and accepts only the plain causal mask over the local "
+                f"length [..., {n}, {n}]. Pass is_causal=True instead (or no mask for "
+                "bidirectional attention), and give document boundaries, sliding windows or "
+                "chunks to the sharder (batch position_ids / _packed_seq_ids, cp.attention). "
+                "Hugging Face models build such a mask from packed position_ids when called "
+                "with attention_mask=None and use_cache=False: pass "
+                "attention_mask=torch.ones_like(input_ids) to the model (the sharder's mask "
+                "already separates the documents)"
+            )
+        is_causal = True
+    if is_causal and plan.kind == "bidirectional":
+        raise CPAttentionError(
+            f"the model calls causal attention (is_causal=True or a causal mask) but "
+            f"{_describe(plan)}; set cp.attention=causal (or sliding_window / chunked)"
+        )
+    if not is_causal and plan.kind != "bidirectional":
+        raise CPAttentionError(
+            f"the model calls bidirectional attention (no mask, is_causal=False) but "
+            f"{_describe(plan)}; set cp.attention=bidirectional if the model really attends "
+            "in both directions"
+        )
+
+
+def check_local_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                       enable_gqa: bool) -> None:
+    """Raise :class:`CPAttentionError` unless q/k/v are ``[B, H, n_local, D]`` for this plan."""
+    n_local = int(plan.q_index.numel())
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != 4:
+            raise CPAttentionError(
+                f"the CP transport expects 4-D [B, H, S, D] {name}; got shape {tuple(t.shape)}"
+            )
+        if t.shape[-2] != n_local:
+            raise CPAttentionError(
+                f"{name} has sequence length {t.shape[-2]} (shape {tuple(t.shape)}) but this "
+                f"rank holds {n_local} tokens of the layout (expected [B, H, {n_local}, D]); "
+                "call the model on the sharded batch, without a KV cache"
+            )
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise CPAttentionError(
+            f"query, key and value batch sizes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv and not enable_gqa:
+        raise CPAttentionError(
+            f"query has {hq} heads and key/value {hkv}; pass enable_gqa=True (as "
+            "scaled_dot_product_attention requires) or repeat the key/value heads"
+        )
+    if hkv == 0 or hq % hkv or v.shape[1] != hkv:
+        raise CPAttentionError(
+            f"query heads ({hq}) must be a multiple of key heads ({hkv}) and value heads "
+            f"({v.shape[1]}) must equal key heads"
+        )
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K and V concatenated on the sequence dim in rank order (one collective).
+
+    The backward sums every rank's gradient for a slice back to the rank that owns it.
+    """
+    group = plan.group if plan.cp_size > 1 else None
+    if group is None:
+        return k, v
+    from cp_core.comm import differentiable_all_gather
+
+    dk = k.shape[-1]
+    kv = torch.cat([k, v.to(k.dtype)], dim=-1)
+    full = differentiable_all_gather(kv, group, dim=2, grad_mode="sum")
+    return full[..., :dk], full[..., dk:].to(v.dtype)
+
+
+def allgather_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, *,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` over a CP layout: gather K/V, mask by global index.
+
+    ``q``, ``k``, ``v`` are this rank's ``[B, H, n_local, D]`` projections of its local
+    tokens (local order). Returns ``[B, Hq, n_local, Dv]``; see the module docstring for which
+    masks and kinds are served.
+    """
+    resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
+    check_local_shapes(q, k, v, plan, enable_gqa)
+    k_all, v_all = gather_kv(k, v, plan)
+    k_index = plan.rank_indices.reshape(-1).to(plan.q_index.device)
+    budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
+    return blocked_attention(q, k_all, v_all, plan.q_index, k_index, plan.mask, scale=scale,
+                             block_budget_bytes=budget)
+
+
+def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
+    """The function that serves SDPA calls for ``plan``.
+
+    ``plan.transport`` when the backend set one, otherwise :func:`allgather_sdpa`
+    (``plan.options["impl"]`` may name it explicitly as ``"allgather"``).
+    """
+    if plan.transport is not None:
+        return plan.transport
+    impl = plan.options.get("impl", "allgather")
+    if impl in ("allgather", None):
+        return allgather_sdpa
+    raise CPAttentionError(
+        f"unknown attention transport impl {impl!r}; this build provides 'allgather' (PyTorch's "
+        "CUDA ring, 'torch_ring', is not wired in yet)"
+    )
+
+
+def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> torch.Tensor:
+    """Serve one ``scaled_dot_product_attention(*args, **kwargs)`` call with ``plan``."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+    # scale and enable_gqa are keyword-only in torch's signature.
+    if len(args) > 6:
+        raise CPAttentionError(
+            f"scaled_dot_product_attention got {len(args)} positional arguments; at most 6 "
+            "are allowed (scale and enable_gqa are keyword-only)"
+        )
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key in bound:
+            raise CPAttentionError(f"scaled_dot_product_attention got {key!r} twice")
+        if key not in names:
+            raise CPAttentionError(
+                f"scaled_dot_product_attention got an unknown argument {key!r}; the CP transport "
+                f"understands {list(names)}"
+            )
+        bound[key] = value
+    missing = [n for n in names[:3] if n not in bound]
+    if missing:
+        raise CPAttentionError(f"scaled_dot_product_attention is missing {missing}")
+    q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
+    return select_transport(plan)(q, k, v, plan, **bound)
+
+
+__all__ = ["allgather_sdpa", "resolve_causal", "check_local_shapes", "gather_kv",
+           "select_transport", "call_transport"]

@@ -1,0 +1,1 @@
+"""Command-line tools of cp_core: ``cp-plan`` and ``cp-demo``."""

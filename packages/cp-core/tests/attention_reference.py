@@ -1,0 +1,78 @@
+"""Independent references for the attention tests: explicit masks and plain float64 softmax.
+
+Nothing here uses cp_core's mask or kernel code: masks are written out pair by pair from the
+definitions (same document, not pad, key not after the query, window, chunk), and attention
+is the textbook softmax over the full score matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def doc_ids_from_lengths(rows: list[list[int]], seq: int) -> torch.Tensor:
+    """``[B, seq]`` 1-based document ids from per-row document lengths; the rest is pad (0)."""
+    out = torch.zeros(len(rows), seq, dtype=torch.long)
+    for b, lengths in enumerate(rows):
+        start = 0
+        for doc, n in enumerate(lengths, start=1):
+            out[b, start:start + n] = doc
+            start += n
+    return out
+
+
+def positions_from_lengths(rows: list[list[int]], seq: int) -> torch.Tensor:
+    """``[B, seq]`` position of each token within its document (0 for pad, never used)."""
+    out = torch.zeros(len(rows), seq, dtype=torch.long)
+    for b, lengths in enumerate(rows):
+        start = 0
+        for n in lengths:
+            out[b, start:start + n] = torch.arange(n)
+            start += n
+    return out
+
+
+def explicit_mask(doc: torch.Tensor, pos: torch.Tensor, kind: str, q_index: list[int],
+                  k_index: list[int], window: int | None = None,
+                  chunk: int | None = None) -> torch.Tensor:
+    """Bool ``[B, len(q_index), len(k_index)]`` built pair by pair from the definitions."""
+    bsz = doc.shape[0]
+    out = torch.zeros(bsz, len(q_index), len(k_index), dtype=torch.bool)
+    for b in range(bsz):
+        for i, qi in enumerate(q_index):
+            for j, kj in enumerate(k_index):
+                dq, dk = int(doc[b, qi]), int(doc[b, kj])
+                if dk == 0 or dq != dk:
+                    continue
+                pq, pk = int(pos[b, qi]), int(pos[b, kj])
+                if kind == "bidirectional":
+                    ok = True
+                elif kind == "causal":
+                    ok = pk <= pq
+                elif kind == "sliding_window":
+                    ok = pk <= pq and pq - pk < window
+                elif kind == "chunked":
+                    ok = pk <= pq and pq // chunk == pk // chunk
+                else:
+                    raise ValueError(kind)
+                out[b, i, j] = ok
+    return out
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Float64 softmax attention with K/V heads repeated for GQA; rows without keys give 0.
+
+    ``allowed`` is ``[B, Sq, Sk]``. Differentiable (float64 autograd).
+    """
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k64 = k64.repeat_interleave(groups, dim=1)
+    v64 = v64.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    m = allowed[:, None]
+    # A huge negative (not -inf) keeps all-masked rows finite; multiplying by the mask then
+    # zeroes them, and their gradient with them.
+    p = torch.softmax(s.masked_fill(~m, -1e300), dim=-1) * m
+    return p @ v64

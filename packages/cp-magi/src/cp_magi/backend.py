@@ -1,0 +1,70 @@
+"""The ``magi`` backend: config model and sharder factory, registered by entry point."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from cp_core.config import CPBackendConfig
+from cp_core.errors import CPConfigError
+from cp_core.padding import per_chunk_multiple
+from cp_core.registry import Backend
+from cp_core.sharder import ContextParallelSharder
+from cp_magi.sharder import shard_batch_magi
+
+
+class MagiConfig(CPBackendConfig):
+    """MagiAttention-style dispatch: equal chunks, assigned to ranks to balance attention work."""
+
+    chunk_size: int | None = Field(None, ge=1)
+    """Tokens per chunk; when set, the number of chunks per rank follows from the length."""
+    chunks_per_rank: int | None = Field(None, ge=1)
+    """Chunks each rank holds (8 when neither this nor chunk_size is set); with chunk_size too,
+    the stream has the fixed length cp * chunks_per_rank * chunk_size and longer batches raise."""
+    solver: Literal["best", "greedy"] = "best"
+    """Dispatch solver: best (balanced construction + exchange local search, exact when small)
+    or greedy (MagiAttention's min-heap baseline)."""
+    mask: Literal["documents", "shared_prefix"] = "documents"
+    """Mask from the batch's documents: each document alone (attention kind of `attention`), or
+    shared_prefix: the first document of a row is a prefix every later document of the row sees
+    in full. A batch key `attn_rectangles` (cp_magi.mask.AttnRectangles) overrides both."""
+
+    @model_validator(mode="after")
+    def _check_mask(self) -> "MagiConfig":
+        if self.mask == "shared_prefix" and self.attention != "causal":
+            raise ValueError(
+                f"mask='shared_prefix' is causal within each branch; it needs attention='causal', "
+                f"got {self.attention!r}"
+            )
+        return self
+
+
+def make_sharder(cfg: MagiConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
+    """A :class:`ContextParallelSharder` of the magi layout for ``cfg``."""
+    common = cfg.common_shard_kwargs(tp_mesh)
+    multiple = per_chunk_multiple(pad_multiple=common["pad_multiple"], tp_size=common["tp_size"],
+                                  sequence_parallel=common["sequence_parallel"],
+                                  block_size=common["block_size"])
+    shard = partial(
+        shard_batch_magi, chunk_size=cfg.chunk_size, chunks_per_rank=cfg.chunks_per_rank,
+        solver=cfg.solver, mask=cfg.mask, chunk_multiple=multiple,
+        attention=common["attention"], window=common["window"], chunk=common["chunk"],
+        transport_options=common["transport_options"],
+    )
+    if cfg.chunk_size is not None and cfg.chunk_size % multiple:
+        raise CPConfigError(
+            f"cp.chunk_size={cfg.chunk_size} is not a multiple of the per-chunk pad multiple "
+            f"{multiple} (pad_multiple / block_size / TP size)"
+        )
+    # Data-dependent layout: no static index function.
+    return ContextParallelSharder(shard_batch=shard, local_token_global_indices=None,
+                                  cp_mesh=cp_mesh, tp_mesh=tp_mesh,
+                                  padding_token_id=cfg.padding_token_id,
+                                  verify_layout=cfg.verify_layout)
+
+
+BACKEND = Backend("magi", MagiConfig, make_sharder, MagiConfig.__doc__ or "")
+
+__all__ = ["MagiConfig", "make_sharder", "BACKEND"]

@@ -1,0 +1,199 @@
+"""``shard_batch`` of the magi layout: packed rows -> one stream -> chunks -> solver -> ranks.
+
+1. The ``[B, S]`` rows are flattened into one token stream of ``B*S`` tokens (every caller
+   token is kept, so ``input_token_stream_positions`` is ``arange(B*S).view(B, S)``).
+2. The attention mask of the stream is a list of rectangles: document-causal from the
+   batch's boundaries (or another attention kind of the config), a shared prefix, or the
+   caller's own :class:`~cp_magi.mask.AttnRectangles` under the batch key ``attn_rectangles``.
+3. The stream is padded to ``cp * chunks_per_rank * chunk_size`` and cut into equal chunks; the
+   exact mask area of each chunk is its workload, and the solver gives every rank the same
+   number of chunks with the largest per-rank workload as small as it can.
+4. Rank r's local tokens are its chunks in ascending global order. Every rank solves alone
+   (the solver is deterministic), so ``rank_global_indices`` is known without communication
+   and a gather moves data only.
+
+The output batch holds flat local tensors (``input_ids [T_local]``, ``position_ids``,
+``labels``, ``padding_mask``, ``loss_mask`` when given; mRoPE positions ``[3, T_local]``).
+Pad slots: ``padding_token_id`` in ``input_ids``, labels -100, ``padding_mask`` True,
+``loss_mask`` 0, floats 0. ``position_ids`` are the caller's when given (what the unsharded
+model sees), else document-relative (a branch continues after its shared prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Literal, Mapping
+
+import numpy as np
+import torch
+
+from cp_core.batch import normalize_batch, pad_position_ids, pad_seq_dim, pad_value_for
+from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.framework import make_plan, make_transport_ctx
+from cp_core.layout import ShardLayout, round_up
+from cp_core.mesh import cp_rank, cp_size
+from cp_magi.documents import (
+    BOUNDARY_KEYS,
+    document_ids,
+    relative_positions,
+    span_rows,
+    stream_spans,
+)
+from cp_magi.mask import AttnRectangles, RectangleTokenMask
+from cp_magi.mask_builders import document_mask, shared_prefix_mask
+from cp_magi.solver import Assignment, SolverName, solve
+
+#: Batch key of a caller-supplied rectangle mask over the flat ``B*S`` stream.
+RECTANGLES_KEY = "attn_rectangles"
+DEFAULT_CHUNKS_PER_RANK = 8
+MaskSource = Literal["documents", "shared_prefix"]
+ShardResult = tuple[Callable[[], ContextManager[Any]], dict[str, Any], ShardLayout]
+
+
+@dataclass(frozen=True)
+class MagiPlan:
+    """What the dispatch learned, kept in ``ShardLayout.extras['magi']`` (for tools/tests)."""
+
+    chunk_size: int
+    chunks_per_rank: int
+    workloads: np.ndarray
+    assignment: Assignment
+    rectangles: AttnRectangles
+
+
+def choose_chunking(stream_len: int, cp: int, *, chunk_size: int | None,
+                    chunks_per_rank: int | None, chunk_multiple: int = 1) -> tuple[int, int]:
+    """``(chunk_size, chunks_per_rank)`` for a stream of ``stream_len`` tokens.
+
+    ``chunk_size`` alone: fixed chunks, their number per rank follows from the length.
+    ``chunks_per_rank`` alone (default 8): the smallest chunk (a multiple of
+    ``chunk_multiple``) that fits. Both: a fixed shape; a longer stream raises.
+    """
+    if chunk_size is not None and chunk_size % chunk_multiple:
+        raise CPConfigError(
+            f"cp.chunk_size={chunk_size} is not a multiple of the per-chunk pad multiple "
+            f"{chunk_multiple} (pad_multiple / block_size / TP size); choose a multiple of it"
+        )
+    if chunk_size is None:
+        cpr = DEFAULT_CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
+        per_chunk = -(-stream_len // (cp * cpr))
+        return round_up(max(per_chunk, 1), chunk_multiple), cpr
+    needed = -(-stream_len // (cp * chunk_size))
+    if chunks_per_rank is None:
+        return chunk_size, max(needed, 1)
+    if needed > chunks_per_rank:
+        raise CPBatchError(
+            f"cp.chunk_size={chunk_size} and cp.chunks_per_rank={chunks_per_rank} fix the stream "
+            f"at cp*{chunks_per_rank}*{chunk_size} = {cp * chunks_per_rank * chunk_size} tokens, "
+            f"but the batch has {stream_len}; set only one of the two"
+        )
+    return chunk_size, chunks_per_rank
+
+
+def _flatten(t: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """Merge the (batch, seq) dims ``(seq_dim - 1, seq_dim)`` into one stream dim."""
+    return t.flatten(seq_dim - 1, seq_dim)
+
+
+def _build_mask(nb_batch: Mapping[str, Any], rects: Any, bsz: int, seq: int, padded: int,
+                mask: MaskSource, attention: str, window: int | None, chunk: int | None
+                ) -> tuple[AttnRectangles, np.ndarray | None]:
+    """The stream's rectangles (over ``padded`` tokens) and, when documents define it, the
+    document-relative position of every stream token."""
+    stream_len = bsz * seq
+    if rects is not None:
+        if not isinstance(rects, AttnRectangles):
+            raise CPBatchError(
+                f"batch[{RECTANGLES_KEY!r}] must be a cp_magi.mask.AttnRectangles, got "
+                f"{type(rects).__name__}"
+            )
+        if rects.seq_len != stream_len:
+            raise CPBatchError(
+                f"batch[{RECTANGLES_KEY!r}] covers a stream of {rects.seq_len} tokens, expected "
+                f"B*S = {bsz}*{seq} = {stream_len}"
+            )
+        out = AttnRectangles(rects.q_ranges, rects.k_ranges, rects.types, padded)
+        out.validate(check_overlap=False)  # the caller's object was validated when built
+        return out, None
+    spans = stream_spans(document_ids(nb_batch, bsz, seq))
+    if mask == "documents":
+        return (document_mask(spans, padded, attention=attention, window=window, chunk=chunk),
+                relative_positions(spans, padded))
+    rows = span_rows(spans, seq)
+    # The first document of every row is the prefix its following documents share.
+    first = np.ones(len(spans), dtype=bool)
+    first[1:] = rows[1:] != rows[:-1]
+    prefix_idx = np.maximum.accumulate(np.where(first, np.arange(len(spans)), 0))
+    prefix_of = np.where(first, -1, prefix_idx)
+    groups = [((int(spans[i, 0]), int(spans[i, 1])),
+               [(int(a), int(b)) for a, b in spans[prefix_of == i].tolist()])
+              for i in np.nonzero(first)[0].tolist()]
+    return shared_prefix_mask(groups, padded), relative_positions(spans, padded, prefix_of)
+
+
+def shard_batch_magi(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0, *, chunk_size: int | None = None,
+    chunks_per_rank: int | None = None, solver: SolverName = "best",
+    mask: MaskSource = "documents", chunk_multiple: int = 1, attention: str = "causal",
+    window: int | None = None, chunk: int | None = None,
+    transport_options: Mapping[str, Any] | None = None,
+) -> ShardResult:
+    """Shard a packed batch by the dispatch solver (see the module docstring).
+
+    Returns ``(ctx_factory, local_batch, layout)``; the caller's batch is not modified.
+    """
+    size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
+    rects = batch.get(RECTANGLES_KEY) if isinstance(batch, Mapping) else None
+    view = {k: v for k, v in batch.items() if k != RECTANGLES_KEY} \
+        if isinstance(batch, Mapping) else batch
+    nb = normalize_batch(view, loss_mask=loss_mask)
+    caller_positions = isinstance(batch, Mapping) and batch.get("position_ids") is not None
+    bsz, seq = nb.batch_size, nb.seq_len
+    stream_len = bsz * seq
+    csize, cpr = choose_chunking(stream_len, size, chunk_size=chunk_size,
+                                 chunks_per_rank=chunks_per_rank, chunk_multiple=chunk_multiple)
+    padded = size * cpr * csize
+    pad_len = padded - stream_len
+    rect_mask, doc_pos = _build_mask(nb.batch, rects, bsz, seq, padded, mask, attention, window,
+                                     chunk)
+    workloads = rect_mask.chunk_workloads(csize)
+    assignment = solve(workloads, size, solver)
+    device = nb.primary.device
+    offsets = torch.arange(csize, dtype=torch.long)
+    ranks = (torch.from_numpy(assignment.rank_chunks).long().unsqueeze(-1) * csize
+             + offsets).reshape(size, -1).to(device)
+    local = ranks[rank]
+
+    out = {k: v for k, v in nb.batch.items() if k not in BOUNDARY_KEYS}
+    if "padding_mask" not in out:
+        out["padding_mask"] = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
+    seq_dims = dict(nb.seq_dims)
+    seq_dims["padding_mask"] = 1
+    if not caller_positions and doc_pos is not None and seq_dims.get("position_ids") == 1:
+        derived = torch.from_numpy(doc_pos[:stream_len]).to(device).view(bsz, seq)
+        out["position_ids"] = derived
+    for key, dim in seq_dims.items():
+        t = _flatten(out[key], dim)
+        sdim = dim - 1
+        if key == "position_ids":
+            t = pad_position_ids(t, sdim, pad_len)
+        else:
+            t = pad_seq_dim(t, sdim, pad_len, pad_value_for(key, t, padding_token_id))
+        out[key] = t.index_select(sdim, local)
+
+    layout = ShardLayout(
+        local_token_global_indices=local, original_seq_len=stream_len, padded_seq_len=padded,
+        input_row_shape=(bsz, seq),
+        input_token_stream_positions=torch.arange(stream_len, device=device).view(bsz, seq),
+        rank_global_indices=ranks, pad_multiple=size * csize, cp_rank=rank, cp_size=size,
+        extras={"magi": MagiPlan(csize, cpr, workloads, assignment, rect_mask)},
+    )
+    token_mask = RectangleTokenMask.from_rectangles(rect_mask, device)
+    plan = make_plan(cp_mesh, layout, token_mask, attention=attention,  # type: ignore[arg-type]
+                     options=transport_options)
+    return make_transport_ctx(plan), out, layout
+
+
+__all__ = ["shard_batch_magi", "choose_chunking", "MagiPlan", "RECTANGLES_KEY",
+           "DEFAULT_CHUNKS_PER_RANK"]

@@ -1,0 +1,194 @@
+"""``shard_batch`` of the TE THD layout: packed rows -> one padded stream -> this rank's chunks.
+
+The output batch holds flat local tensors in THD order (``input_ids [T_local]``,
+``inputs_embeds [T_local, H]``, ``labels``, ``position_ids``, ``padding_mask``, ``loss_mask``
+when given), plus the metadata a THD attention kernel needs: ``cu_seqlens`` (global, padded,
+int32; ``cu_seqlens_padded`` is the same tensor under TE's name), ``cu_seqlens_unpadded``
+(cumulative real lengths), ``max_seqlen``, ``qkv_format="thd"``, ``cp_size`` and ``cp_rank``.
+
+Every caller token is kept, so ``input_token_stream_positions`` has no -1; the slots the layout
+adds (per-document pad up to a multiple of ``2*cp``) carry ``padding_token_id``, labels -100,
+``padding_mask`` True, ``loss_mask`` 0, floats 0 and positions that continue from the
+document's last token. ``position_ids`` are the caller's when given (what the unsharded model
+would see, so RoPE angles match), else document-relative.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping
+
+import torch
+
+from cp_core.attention.plan import AttentionKind, DocumentMask
+from cp_core.batch import normalize_batch, pad_value_for, resolve_primary
+from cp_core.errors import CPBatchError
+from cp_core.framework import make_plan, make_transport_ctx
+from cp_core.layout import ShardLayout
+from cp_core.mesh import cp_rank, cp_size
+from cp_core.padding import per_chunk_multiple, round_robin_divisor
+from cp_te.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments, resolve_segments
+from cp_te.partition import partitioned_indices_all_ranks
+from cp_te.stream import ThdStream
+from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
+
+#: Keys the sharder writes (any caller value under these names is replaced).
+METADATA_KEYS: tuple[str, ...] = ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_unpadded",
+                                  "max_seqlen", "qkv_format", "cp_size", "cp_rank")
+
+CtxFactory = Callable[..., ContextManager[Any]]
+
+
+def _slot_mask(mask: torch.Tensor, ndim: int, dim: int) -> torch.Tensor:
+    view = [1] * ndim
+    view[dim] = mask.numel()
+    return mask.view(view)
+
+
+def _map_rows(t: torch.Tensor, seq_dim: int, src: torch.Tensor, added: torch.Tensor,
+              fill: Any) -> torch.Tensor:
+    """Flatten ``t``'s (batch, seq) dims and keep the caller tokens ``src`` of the local slots;
+    slots the layout added get ``fill``. Differentiable in ``t``."""
+    flat = t.flatten(seq_dim - 1, seq_dim)
+    local = flat.index_select(seq_dim - 1, src)
+    if bool(added.any()):
+        local = local.masked_fill(_slot_mask(added, local.dim(), seq_dim - 1), fill)
+    return local
+
+
+def _local_positions(nb_pos: torch.Tensor | None, seq_dim: int, stream: ThdStream,
+                     seg: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Caller positions carried into the stream (continuing through the pad), or the
+    document-relative offsets when the caller gave none."""
+    if nb_pos is None:
+        return offset
+    token, steps = stream.last_caller_token(seg, offset)
+    flat = nb_pos.flatten(seq_dim - 1, seq_dim)
+    local = flat.index_select(seq_dim - 1, token)
+    return local + _slot_mask(steps, local.dim(), seq_dim - 1).to(local.dtype)
+
+
+def _stream_document_mask(stream: ThdStream, positions: torch.Tensor,
+                          caller_pad: torch.Tensor | None, *, attention: AttentionKind,
+                          window: int | None, chunk: int | None) -> DocumentMask:
+    """Document ids ``[1, T]`` (0 on every pad slot) and positions within each document."""
+    ids, pos = stream.document_tensors()
+    if caller_pad is not None and bool(caller_pad.any()):
+        pad_slots = positions.reshape(-1)[caller_pad.reshape(-1).to(positions.device)]
+        ids = ids.clone()
+        ids[0, pad_slots] = 0
+    return DocumentMask(ids, pos, attention, window, chunk)
+
+
+def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: Any,
+                 cp_comm_type: str) -> CtxFactory:
+    """``factory(*modules)``: the cp-core transport, plus TE's CP group on the TE attention
+    modules inside ``modules`` when the TE path is active."""
+
+    def factory(*modules: torch.nn.Module) -> ContextManager[Any]:
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(base())
+            if te_on and modules:
+                stack.enter_context(te_context_parallel(find_te_attention_modules(modules),
+                                                        cp_mesh, cp_comm_type))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    return factory
+
+
+def plan_stream(segments: Segments, cp: int, chunk_multiple: int = 1
+                ) -> tuple[ThdStream, torch.Tensor]:
+    """The padded stream of ``segments`` and every rank's partition ``[cp, T/cp]``."""
+    stream = ThdStream.build(segments, round_robin_divisor(cp, chunk_multiple))
+    return stream, partitioned_indices_all_ranks(stream.cu_seqlens_padded(), cp)
+
+
+def shard_batch_thd(
+    cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0, *, seq_lens_sentinel: int = DEFAULT_SENTINEL,
+    pad_multiple: int = 1, tp_size: int = 1, sequence_parallel: bool = False,
+    block_size: int = 1, attention: AttentionKind = "causal", window: int | None = None,
+    chunk: int | None = None, transport: Callable | None = None,
+    transport_options: Mapping[str, Any] | None = None, cp_comm_type: str = "p2p",
+    use_te: str = "auto", extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None,
+) -> tuple[CtxFactory, dict[str, Any], ShardLayout]:
+    """Shard a packed ``[B, S]`` batch with TE's per-document dual-chunk split.
+
+    Document boundaries come from one of ``seq_lens``/``seq_lens_padded``,
+    ``cu_seqlens``/``cu_seqlens_padded``, ``_packed_seq_ids`` or restarting ``position_ids``
+    (:mod:`cp_te.boundaries`). Each document (with the caller's pad after it) is padded to a
+    multiple of ``2*cp`` (times the per-chunk multiple of ``pad_multiple``, ``block_size`` and
+    the TP size under sequence parallelism), the rows are flattened into one stream and rank r
+    keeps chunks r and ``2*cp-1-r`` of every document. Returns ``(ctx_factory, local_batch,
+    layout)``; ``ctx_factory(*modules)`` routes SDPA through the cp-core transport with the
+    document mask, and on CUDA with TransformerEngine also sets the CP group on the TE
+    ``DotProductAttention`` modules found inside ``modules``. The caller's batch is not
+    modified.
+    """
+    if not isinstance(batch, Mapping):
+        raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    _, primary = resolve_primary(batch)
+    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
+    device = primary.device
+    te_on = te_path_active(use_te, device)  # before any work: use_te=always may refuse
+    segments = resolve_segments(batch, bsz, seq, device, seq_lens_sentinel)
+    caller_gave_positions = batch.get("position_ids") is not None
+    core = {k: v for k, v in batch.items() if k not in BOUNDARY_KEYS and k not in METADATA_KEYS}
+    nb = normalize_batch(core, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
+    size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
+    multiple = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
+                                  sequence_parallel=sequence_parallel, block_size=block_size)
+    stream, ranks = plan_stream(segments, size, multiple)
+    local = ranks[rank]
+    seg, offset = stream.locate(local)
+    src = stream.caller_source(seg, offset)
+    added = src < 0
+    src = src.clamp(min=0)
+
+    out = {k: v for k, v in nb.batch.items() if k not in nb.seq_dims}
+    for key, dim in nb.seq_dims.items():
+        t = nb.batch[key]
+        if key == "position_ids":
+            continue
+        if dim < 1 or t.shape[dim - 1] != bsz:
+            raise CPBatchError(
+                f"batch[{key!r}] has shape {tuple(t.shape)}: the THD layout flattens rows, so "
+                f"its sequence dim {dim} must follow the batch dim of size {bsz}"
+            )
+        fill = pad_value_for(key, t, padding_token_id, extra_pad_values)
+        out[key] = _map_rows(t, dim, src, added, fill)
+    pos_dim = nb.seq_dims["position_ids"]
+    out["position_ids"] = _local_positions(
+        nb.batch["position_ids"] if caller_gave_positions else None, pos_dim, stream, seg,
+        offset)
+    caller_pad = nb.batch.get("padding_mask")
+    boundary_pad = offset >= segments.length[seg]
+    out["padding_mask"] = boundary_pad if caller_pad is None else \
+        boundary_pad | out["padding_mask"]
+
+    cu = stream.cu_seqlens_padded(drop_empty=True).to(torch.int32)
+    out.update(cu_seqlens=cu, cu_seqlens_padded=cu,
+               cu_seqlens_unpadded=stream.cu_seqlens_real(drop_empty=True).to(torch.int32),
+               max_seqlen=stream.max_seqlen(), qkv_format="thd", cp_size=size, cp_rank=rank)
+
+    positions = stream.input_token_stream_positions()
+    layout = ShardLayout(
+        local_token_global_indices=local, original_seq_len=bsz * seq,
+        padded_seq_len=stream.total, input_row_shape=(bsz, seq),
+        input_token_stream_positions=positions, rank_global_indices=ranks,
+        pad_multiple=stream.divisor, cp_rank=rank, cp_size=size,
+        extras={"cu_seqlens_padded": cu, "boundary_source": segments.source},
+    )
+    mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
+                                 window=window, chunk=chunk)
+    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
+                     options=transport_options)
+    return _ctx_factory(make_transport_ctx(plan), te_on, cp_mesh, cp_comm_type), out, layout
+
+
+__all__ = ["shard_batch_thd", "plan_stream", "METADATA_KEYS"]

@@ -1,0 +1,554 @@
+"""The bad-input catalogue: every bad input raises one documented error and changes nothing.
+
+Each :class:`Case` is one row of ``docs/errors.md``: the backends it applies to, the bad input,
+the library exception type it must raise (exactly that type, which subclasses the matching
+built-in) and an excerpt of the message. ``test_case`` runs every row against every backend of
+the row that is installed and loads; before and after the failing call the caller's batch is
+deep-compared (keys, object identity, dtype, shape, stride, the tensor version counter that
+any in-place write bumps, and values), so "nothing half-done" is checked, not assumed.
+
+``python tests/test_bad_inputs.py`` rewrites the table in ``docs/errors.md`` from the cases;
+``test_docs_table_matches_cases`` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from cp_core.errors import (
+    CPAttentionError,
+    CPBackendLoadError,
+    CPBackendNotFoundError,
+    CPBatchError,
+    CPConfigError,
+    CPError,
+    CPLayoutError,
+)
+from cp_core.framework import shard_batch_contiguous, shard_batch_identity
+from cp_core.mesh import SimulatedCPMesh
+from cp_core.registry import Registry, available_backends, build_sharder, get_backend, use_registry
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+FRAMEWORK = ("identity", "contiguous", "round_robin", "aux_only")
+PACKAGED = ("te_thd", "magi", "blockdiag")
+ALL = FRAMEWORK + PACKAGED
+CP = 2
+B, S = 2, 9
+
+#: Library exception type -> the built-in it must subclass.
+BUILTIN_OF: dict[type, type] = {
+    CPBatchError: ValueError,
+    CPConfigError: ValueError,
+    CPLayoutError: RuntimeError,
+    CPAttentionError: NotImplementedError,
+    CPBackendNotFoundError: KeyError,
+    CPBackendLoadError: ImportError,
+}
+
+
+def loadable(name: str) -> bool:
+    """True when backend ``name`` is installed and imports."""
+    if name not in available_backends():
+        return False
+    try:
+        get_backend(name)
+    except CPError:
+        return False
+    return True
+
+
+# -- batches -------------------------------------------------------------------------------
+
+
+def base_batch() -> dict[str, Any]:
+    """A valid packed batch: 2 rows of 9 tokens, documents [4, 5] and [9]."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (B, S), generator=g)
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], list(range(S))]),
+    }
+
+
+def with_keys(**changes: Any) -> Callable[[], dict[str, Any]]:
+    """A batch factory: the base batch with keys replaced (``None`` removes a key)."""
+
+    def make() -> dict[str, Any]:
+        batch = base_batch()
+        for k, v in changes.items():
+            if v is None:
+                batch.pop(k, None)
+            else:
+                batch[k] = v() if callable(v) else v
+        return batch
+
+    return make
+
+
+def boundaries(**keys: Any) -> Callable[[], dict[str, Any]]:
+    """The base batch without ``position_ids`` plus explicit document keys."""
+    return with_keys(position_ids=None, **keys)
+
+
+def _causal_4d(blocked: tuple[int, int] | None = None,
+               allowed: tuple[int, int] | None = None) -> torch.Tensor:
+    """A [B, 1, S, S] causal (one document) mask, with one pair flipped when asked."""
+    m = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
+    if blocked is not None:
+        m[0, 0, blocked[0], blocked[1]] = False
+    if allowed is not None:
+        m[0, 0, allowed[0], allowed[1]] = True
+    return m
+
+
+def embeds_batch(shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+                 ) -> Callable[[], dict[str, Any]]:
+    """The base batch with ``inputs_embeds`` of ``shape`` instead of ``input_ids``."""
+
+    def make() -> dict[str, Any]:
+        batch = base_batch()
+        del batch["input_ids"]
+        batch["inputs_embeds"] = torch.ones(shape, dtype=dtype)
+        return batch
+
+    return make
+
+
+# -- actions -------------------------------------------------------------------------------
+
+
+def sharder(backend: str, size: int | None = None, rank: int = 0, **cfg: Any) -> Any:
+    """A sharder of ``backend`` on a simulated mesh (identity: size 1)."""
+    size = size or (1 if backend == "identity" else CP)
+    return build_sharder({"backend": backend, "size": size, **cfg},
+                         SimulatedCPMesh(rank, size))
+
+
+def do_shard(backend: str, batch: Any, **kw: Any) -> None:
+    """Shard ``batch`` with a default sharder of ``backend``."""
+    sharder(backend).shard(batch, **kw)
+
+
+def verb_after_shard(verb: Callable[[Any], Any]) -> Callable[[str, Any], None]:
+    """Shard the (valid) batch, then call ``verb(sharder)``, which must raise."""
+
+    def act(backend: str, batch: Any) -> None:
+        s = sharder(backend)
+        s.shard(batch)
+        verb(s)
+
+    return act
+
+
+def build_with(**cfg: Any) -> Callable[[str, Any], None]:
+    """Build a sharder with config overrides (the batch is untouched)."""
+
+    def act(backend: str, batch: Any) -> None:
+        sharder(backend, **cfg)
+
+    return act
+
+
+def build_config(config: Any) -> Callable[[str, Any], None]:
+    """Call ``build_sharder`` with a raw config object."""
+
+    def act(backend: str, batch: Any) -> None:
+        build_sharder(config, None)
+
+    return act
+
+
+# -- the catalogue ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the catalogue."""
+
+    id: str
+    backends: tuple[str, ...]
+    bad_input: str
+    exc: type
+    excerpt: str
+    act: Callable[[str, Any], None] = do_shard
+    make_batch: Callable[[], Any] = base_batch
+    per_backend_excerpt: dict[str, str] = field(default_factory=dict)
+
+
+def _missing_registry_act(backend: str, batch: Any) -> None:
+    with use_registry(Registry(entry_points=[])):
+        build_sharder({"backend": backend, "size": 1}, None)
+
+
+def _identity_cp2(backend: str, batch: Any) -> None:
+    shard_batch_identity(SimulatedCPMesh(0, 2), None, batch)
+
+
+def _extra_key_missing(backend: str, batch: Any) -> None:
+    shard_batch_contiguous(SimulatedCPMesh(0, 2), None, batch, extra_seq_keys={"advantages": 1})
+
+
+def _extra_key_wrong_len(backend: str, batch: Any) -> None:
+    batch_view = {**batch}
+    batch_view["advantages"] = torch.zeros(B, S + 2)  # a new dict: the caller's is untouched
+    shard_batch_contiguous(SimulatedCPMesh(0, 2), None, batch_view,
+                           extra_seq_keys={"advantages": 1})
+
+
+CASES: list[Case] = [
+    # primary stream
+    Case("no-primary", ALL, "neither `input_ids` nor `inputs_embeds`", CPBatchError,
+         "exactly one primary stream", make_batch=with_keys(input_ids=None)),
+    Case("two-primaries", ALL, "both `input_ids` and `inputs_embeds`", CPBatchError,
+         "exactly one primary stream",
+         make_batch=with_keys(inputs_embeds=lambda: torch.zeros(B, S, 4))),
+    Case("float-input-ids", ALL, "`input_ids` of dtype float32", CPBatchError,
+         "batch['input_ids'] must be an integer tensor, got dtype torch.float32",
+         make_batch=with_keys(input_ids=lambda: torch.ones(B, S))),
+    Case("bool-input-ids", ALL, "`input_ids` of dtype bool", CPBatchError,
+         "batch['input_ids'] must be an integer tensor, got dtype torch.bool",
+         make_batch=with_keys(input_ids=lambda: torch.ones(B, S, dtype=torch.bool))),
+    Case("input-ids-1d", ALL, "`input_ids` of shape [S] (no batch dim)", CPBatchError,
+         "batch['input_ids'] has shape (9,), expected [B, S]",
+         make_batch=with_keys(input_ids=lambda: torch.ones(S, dtype=torch.long))),
+    Case("input-ids-not-tensor", ALL, "`input_ids` given as a Python list", CPBatchError,
+         "batch['input_ids'] must be a torch.Tensor, got list",
+         make_batch=with_keys(input_ids=lambda: [[1] * S] * B)),
+    Case("empty-sequence", ALL, "`input_ids` of shape [B, 0]", CPBatchError,
+         "the sequence is empty",
+         make_batch=with_keys(input_ids=lambda: torch.ones(B, 0, dtype=torch.long),
+                              labels=lambda: torch.ones(B, 0, dtype=torch.long),
+                              position_ids=None)),
+    Case("embeds-2d", ALL, "`inputs_embeds` of shape [B, S] (no hidden dim)", CPBatchError,
+         "batch['inputs_embeds'] has shape (2, 9), expected [B, S, H]",
+         make_batch=embeds_batch((B, S))),
+    Case("embeds-int", ALL, "`inputs_embeds` of dtype int64", CPBatchError,
+         "batch['inputs_embeds'] must be floating point, got torch.int64",
+         make_batch=embeds_batch((B, S, 4), torch.int64)),
+    Case("batch-not-mapping", ALL, "a list instead of a dict batch", CPBatchError,
+         "batch must be a dict of tensors, got list",
+         make_batch=lambda: [torch.ones(B, S, dtype=torch.long)]),
+    # token-aligned keys whose shape or dtype disagrees with the primary
+    Case("labels-shape", ALL, "`labels` [B, S+1] next to `input_ids` [B, S]", CPBatchError,
+         "batch['labels'] has shape (2, 10), expected [B, S] = [2, 9]",
+         make_batch=with_keys(labels=lambda: torch.zeros(B, S + 1, dtype=torch.long))),
+    Case("labels-float", ALL, "`labels` of dtype float32", CPBatchError,
+         "batch['labels'] must be an integer tensor, got torch.float32",
+         make_batch=with_keys(labels=lambda: torch.zeros(B, S))),
+    Case("position-ids-shape", ALL, "`position_ids` [B, S-1]", CPBatchError,
+         "batch['position_ids'] has shape (2, 8), expected [B, S] = [2, 9]",
+         make_batch=with_keys(position_ids=lambda: torch.zeros(B, S - 1, dtype=torch.long))),
+    Case("position-ids-float", ALL, "`position_ids` of dtype float32", CPBatchError,
+         "batch['position_ids'] must be an integer tensor, got torch.float32",
+         make_batch=with_keys(position_ids=lambda: torch.zeros(B, S))),
+    Case("mrope-axes", ALL, "mRoPE `position_ids` [2, B, S] (two axes, not three)",
+         CPBatchError, "batch['position_ids'] has shape (2, 2, 9), expected",
+         make_batch=with_keys(position_ids=lambda: torch.zeros(2, B, S, dtype=torch.long))),
+    Case("attention-mask-shape", ALL, "2-D `attention_mask` [B, S-1]", CPBatchError,
+         "batch['attention_mask'] has shape (2, 8), expected [B, S] = [2, 9]",
+         make_batch=with_keys(attention_mask=lambda: torch.ones(B, S - 1, dtype=torch.long))),
+    Case("padding-mask-shape", ALL, "`padding_mask` [B+1, S]", CPBatchError,
+         "batch['padding_mask'] has shape (3, 9), expected [B, S] = [2, 9]",
+         make_batch=with_keys(padding_mask=lambda: torch.zeros(B + 1, S, dtype=torch.bool))),
+    Case("loss-mask-shape", ALL, "`loss_mask=` argument [B, S+2]", CPBatchError,
+         "batch['loss_mask'] has shape (2, 11), expected [B, S] = [2, 9]",
+         act=lambda b, batch: do_shard(b, batch, loss_mask=torch.ones(B, S + 2))),
+    Case("doc-ids-shape", ALL, "`_packed_seq_ids` [B, S+1]", CPBatchError,
+         "batch['_packed_seq_ids'] has shape (2, 10), expected [B, S] = [2, 9]",
+         make_batch=with_keys(_packed_seq_ids=lambda: torch.ones(B, S + 1, dtype=torch.long))),
+    Case("attention-mask-4d", FRAMEWORK, "4-D block `attention_mask` [B, 1, S, S]",
+         CPBatchError, "expected a 2-D [B, S] padding mask",
+         make_batch=with_keys(attention_mask=lambda: torch.ones(B, 1, S, S, dtype=torch.bool))),
+    # documents
+    Case("doc-ids-gap", ALL, "`_packed_seq_ids` [1,1,3,3,...] (document 2 missing)",
+         CPBatchError, "has document ids [1, 3] which are not contiguous runs",
+         per_backend_excerpt={"te_thd": "has document ids [1, 3]: expected contiguous runs"},
+         make_batch=with_keys(_packed_seq_ids=lambda: torch.tensor([[1, 1, 3, 3, 3, 3, 3, 3, 3]] * B))),
+    Case("doc-ids-split", ALL, "`_packed_seq_ids` [1,1,2,2,1,...] (document 1 in two runs)",
+         CPBatchError, "has document ids [1, 2, 1] which are not contiguous runs",
+         per_backend_excerpt={"te_thd": "has document ids [1, 2, 1]: expected contiguous runs"},
+         make_batch=with_keys(_packed_seq_ids=lambda: torch.tensor([[1, 1, 2, 2, 1, 1, 1, 1, 1]] * B))),
+    Case("doc-ids-negative", ALL, "`_packed_seq_ids` with a negative id", CPBatchError,
+         "batch['_packed_seq_ids'] has negative document ids",
+         per_backend_excerpt={"te_thd": "batch['_packed_seq_ids'] row 0 has negative ids"},
+         make_batch=with_keys(_packed_seq_ids=lambda: torch.tensor([[1, 1, -1, 2, 2, 2, 2, 2, 2]] * B))),
+    Case("doc-ids-float", ALL, "`_packed_seq_ids` of dtype float32", CPBatchError,
+         "batch['_packed_seq_ids'] must be an integer tensor",
+         per_backend_excerpt={"te_thd": "batch['_packed_seq_ids'] must hold integers"},
+         make_batch=with_keys(_packed_seq_ids=lambda: torch.ones(B, S))),
+    # backend-specific requirements
+    Case("contiguous-no-labels", ("contiguous",), "no `labels` and no `loss_mask`",
+         CPBatchError, "needs 'labels' or a loss_mask", make_batch=with_keys(labels=None)),
+    Case("aux-only-no-labels", ("aux_only",), "no `labels`", CPBatchError,
+         "the aux-only layout needs 'labels'", make_batch=with_keys(labels=None)),
+    Case("identity-at-cp2", ("identity",), "identity `shard_batch` on a CP mesh of size 2",
+         CPBatchError, "it needs CP size 1, got 2", act=_identity_cp2),
+    Case("extra-key-missing", ("contiguous",), "`extra_seq_keys` names a key the batch lacks",
+         CPBatchError, "extra sequence key 'advantages' is missing", act=_extra_key_missing),
+    Case("extra-key-length", ("contiguous",), "`extra_seq_keys` tensor of the wrong length",
+         CPBatchError, "batch['advantages'] has shape (2, 11), expected the sequence length 9",
+         act=_extra_key_wrong_len),
+    # te_thd document boundaries
+    Case("seq-lens-negative", ("te_thd",), "`seq_lens` with a negative length", CPBatchError,
+         "batch['seq_lens'] row 0 is [-4, 13]: lengths and boundaries must be >= 0",
+         make_batch=boundaries(seq_lens=[[-4, 13], [9, -1000]])),
+    Case("seq-lens-sentinel-middle", ("te_thd",), "`seq_lens` [4, -1000, 5] (sentinel in the middle)",
+         CPBatchError, "the sentinel -1000 marks the end of a row's list",
+         make_batch=boundaries(seq_lens=[[4, -1000, 5], [9, -1000, -1000]])),
+    Case("seq-lens-beyond-row", ("te_thd",), "`seq_lens` adding up to more than the row",
+         CPBatchError, "which adds up to 11; the documents of a row must end at the row length S=9",
+         make_batch=boundaries(seq_lens=[[4, 7], [9, -1000]])),
+    Case("seq-lens-short-of-row", ("te_thd",), "`seq_lens` adding up to less than the row",
+         CPBatchError, "which adds up to 7; the documents of a row must end at the row length S=9",
+         make_batch=boundaries(seq_lens=[[4, 3], [9, -1000]])),
+    Case("seq-lens-padded-shorter", ("te_thd",), "`seq_lens_padded` shorter than `seq_lens`",
+         CPBatchError, "a document cannot be longer than its padded length",
+         make_batch=boundaries(seq_lens=[[4, 5], [9, -1000]],
+                               seq_lens_padded=[[3, 6], [9, -1000]])),
+    Case("seq-lens-rows", ("te_thd",), "`seq_lens` with one row for a batch of two",
+         CPBatchError, "batch['seq_lens'] has shape (1, 2), expected [B, D] = [2, D]",
+         make_batch=boundaries(seq_lens=[[4, 5]])),
+    Case("cu-seqlens-not-increasing", ("te_thd",), "`cu_seqlens` [0, 5, 4, 9]", CPBatchError,
+         "batch['cu_seqlens'] row 0 is [0, 5, 4, 9]: boundaries must be strictly increasing",
+         make_batch=boundaries(cu_seqlens=lambda: torch.tensor([[0, 5, 4, 9], [0, 9, -1000, -1000]]))),
+    Case("cu-seqlens-negative", ("te_thd",), "`cu_seqlens` [0, -2, 9]", CPBatchError,
+         "batch['cu_seqlens'] row 0 is [0, -2, 9]: lengths and boundaries must be >= 0",
+         make_batch=boundaries(cu_seqlens=lambda: torch.tensor([[0, -2, 9], [0, 9, -1000]]))),
+    Case("cu-seqlens-beyond-row", ("te_thd",), "`cu_seqlens` [0, 4, 11] on rows of 9", CPBatchError,
+         "must end at the row length S=9, not 11",
+         make_batch=boundaries(cu_seqlens=lambda: torch.tensor([[0, 4, 11], [0, 9, -1000]]))),
+    Case("cu-seqlens-sentinel-middle", ("te_thd",), "`cu_seqlens` [0, 4, -1000, 9]", CPBatchError,
+         "the sentinel -1000 marks the end of a row's list",
+         make_batch=boundaries(cu_seqlens=lambda: torch.tensor([[0, 4, -1000, 9], [0, 9, -1000, -1000]]))),
+    Case("cu-seqlens-not-from-zero", ("te_thd",), "`cu_seqlens` [1, 4, 9]", CPBatchError,
+         "batch['cu_seqlens'] row 0 is [1, 4, 9]: it must start at 0",
+         make_batch=boundaries(cu_seqlens=lambda: torch.tensor([[1, 4, 9], [0, 9, -1000]]))),
+    Case("cu-seqlens-flat-beyond", ("te_thd",), "flat `cu_seqlens` ending past B*S", CPBatchError,
+         "flat boundaries must start at 0 and end at the stream length B*S=2*9=18",
+         make_batch=boundaries(cu_seqlens=lambda: torch.tensor([0, 4, 9, 20]))),
+    Case("boundary-sources-conflict", ("te_thd",),
+         "`seq_lens` and `_packed_seq_ids` describing different documents", CPBatchError,
+         "conflicting document boundaries",
+         make_batch=boundaries(seq_lens=[[4, 5], [9, -1000]], _packed_seq_ids=lambda: torch.tensor(
+             [[1, 1, 1, 2, 2, 2, 2, 2, 2], [1] * S]))),
+    # blockdiag document masks and config
+    Case("block-mask-not-block-causal", ("blockdiag",),
+         "4-D `attention_mask` that blocks a key inside a document", CPBatchError,
+         "is not block-causal: row 0, query 5, key 0 is blocked",
+         make_batch=boundaries(attention_mask=lambda: _causal_4d(blocked=(5, 0)))),
+    Case("block-mask-future-key", ("blockdiag",),
+         "4-D `attention_mask` that lets a query see a later key", CPBatchError,
+         "is not block-causal: row 0, query 0, key 5 is allowed",
+         make_batch=boundaries(attention_mask=lambda: _causal_4d(allowed=(0, 5)))),
+    Case("block-mask-shape", ("blockdiag",), "4-D `attention_mask` [B, 1, S-1, S-1]",
+         CPBatchError, "batch['attention_mask'] has shape (2, 1, 8, 8), expected a 4-D block-causal",
+         make_batch=boundaries(attention_mask=lambda: _causal_4d()[:, :, :S - 1, :S - 1])),
+    Case("blockdiag-bidirectional", ("blockdiag",), "`cp.attention=bidirectional`",
+         CPConfigError, "attention='bidirectional' needs another backend",
+         act=build_with(attention="bidirectional")),
+    Case("blockdiag-exchange", ("blockdiag",), "`cp.exchange=ring`", CPConfigError,
+         "cp.exchange: Input should be 'auto', 'allgather', 'halo' or 'a2a'",
+         act=build_with(exchange="ring")),
+    # magi dispatch-solver configuration
+    Case("magi-chunk-size-not-multiple", ("magi",), "`cp.chunk_size=6` with `cp.block_size=4`",
+         CPConfigError, "cp.chunk_size=6 is not a multiple of the per-chunk pad multiple 4",
+         act=build_with(chunk_size=6, block_size=4)),
+    Case("magi-chunks-fix-too-short", ("magi",),
+         "`cp.chunk_size=4` and `cp.chunks_per_rank=2` on a stream longer than cp*2*4",
+         CPBatchError, "fix the stream at cp*2*4 = 16 tokens, but the batch has 18",
+         act=lambda b, batch: sharder(b, chunk_size=4, chunks_per_rank=2).shard(batch)),
+    Case("magi-chunks-per-rank-zero", ("magi",), "`cp.chunks_per_rank=0`", CPConfigError,
+         "cp.chunks_per_rank: Input should be greater than or equal to 1",
+         act=build_with(chunks_per_rank=0)),
+    Case("magi-solver-unknown", ("magi",), "`cp.solver=magic`", CPConfigError,
+         "cp.solver: Input should be 'best' or 'greedy'", act=build_with(solver="magic")),
+    # meshes
+    Case("mesh-size-mismatch", ALL, "`cp.size=4` on a CP mesh of 2 ranks", CPConfigError,
+         "cp.size=4 but the CP mesh has 2 rank(s)",
+         act=lambda b, batch: build_sharder({"backend": b, "size": 4}, SimulatedCPMesh(0, 2))),
+    Case("mesh-wrong-type", ALL, "a string as `cp_mesh`", CPConfigError,
+         "cp_mesh must be a 1-D DeviceMesh, a ProcessGroup, None or a SimulatedCPMesh",
+         act=lambda b, batch: build_sharder({"backend": b, "size": 2}, "cp")),
+    # token verbs
+    Case("shard-token-before-shard", ALL, "`shard_token_tensor` before the first `shard`",
+         CPLayoutError, "shard_token_tensor needs a layout: call sharder.shard(batch) first",
+         act=lambda b, batch: sharder(b).shard_token_tensor(batch["labels"], fill=-100)),
+    Case("gather-before-shard", ALL, "`gather_token_tensor` before the first `shard`",
+         CPLayoutError, "gather_token_tensor needs a layout: call sharder.shard(batch) first",
+         act=lambda b, batch: sharder(b).gather_token_tensor(torch.zeros(B, 4))),
+    Case("shard-token-wrong-length", ALL, "`shard_token_tensor` of a [B, S+5] tensor",
+         CPBatchError, "has 14 tokens on dim 1",
+         act=verb_after_shard(lambda s: s.shard_token_tensor(torch.zeros(B, S + 5), fill=0))),
+    Case("shard-token-no-fill", ("contiguous", "round_robin", "aux_only"),
+         "`shard_token_tensor` of an original-length tensor without `fill=` when the layout pads",
+         CPBatchError, "pass fill=",
+         act=verb_after_shard(lambda s: s.shard_token_tensor(torch.zeros(B, S)))),
+    Case("shard-token-seq-dim", ALL, "`shard_token_tensor(..., seq_dim=3)` of a 2-D tensor",
+         CPBatchError, "seq_dim=3 is out of range for a tensor of shape (2, 9)",
+         act=verb_after_shard(lambda s: s.shard_token_tensor(torch.zeros(B, S), seq_dim=3))),
+    Case("gather-wrong-length", ("identity",),
+         "`gather_token_tensor` of a local shard whose length is not this rank's",
+         CPBatchError, "local shard has 3 tokens on dim 1",
+         act=verb_after_shard(lambda s: s.gather_token_tensor(torch.zeros(B, 3)))),
+    # configuration
+    Case("config-unknown-key", ALL, "`cp.pad_multple=4` (misspelt key)", CPConfigError,
+         "unknown key cp.pad_multple", act=build_with(pad_multple=4)),
+    Case("config-size-zero", ALL, "`cp.size=0`", CPConfigError,
+         "cp.size: Input should be greater than or equal to 1",
+         act=lambda b, batch: build_sharder({"backend": b, "size": 0}, None)),
+    Case("config-pad-multiple-zero", ALL, "`cp.pad_multiple=0`", CPConfigError,
+         "cp.pad_multiple: Input should be greater than or equal to 1",
+         act=build_with(pad_multiple=0)),
+    Case("config-block-size-negative", ALL, "`cp.block_size=-16`", CPConfigError,
+         "cp.block_size: Input should be greater than or equal to 1",
+         act=build_with(block_size=-16)),
+    Case("config-attention-unknown", ALL, "`cp.attention=full`", CPConfigError,
+         "cp.attention: Input should be 'causal', 'bidirectional', 'sliding_window' or 'chunked'",
+         act=build_with(attention="full")),
+    Case("config-window-missing", ALL, "`cp.attention=sliding_window` without `cp.window`",
+         CPConfigError, "attention='sliding_window' needs window=<tokens>",
+         act=build_with(attention="sliding_window")),
+    Case("config-budget-zero", ALL, "`cp.attn_block_budget_mb=0`", CPConfigError,
+         "cp.attn_block_budget_mb: Input should be greater than 0",
+         act=build_with(attn_block_budget_mb=0)),
+    Case("config-size-not-int", ALL, "`cp.size=two`", CPConfigError,
+         "cp.size: Input should be a valid integer",
+         act=lambda b, batch: build_sharder({"backend": b, "size": "two"}, None)),
+    Case("config-no-backend", ("identity",), "a config without `backend:`", CPConfigError,
+         "a CP config needs 'backend: <name>'", act=build_config({"size": 1})),
+    Case("config-not-mapping", ("identity",), "a config that is a string", CPConfigError,
+         "a CP config must be a mapping or CPBackendConfig, got str",
+         act=build_config("identity")),
+    # registry
+    Case("backend-unknown", ("identity",), "`cp=ring_attention` (no such backend)",
+         CPBackendNotFoundError, "unknown CP backend 'ring_attention'; available backends: [",
+         act=build_config({"backend": "ring_attention"})),
+    Case("backend-not-installed", PACKAGED,
+         "a known backend whose package is not installed (isolated registry)",
+         CPBackendNotFoundError, "is not installed; install it with: pip install 'cp-core[",
+         act=_missing_registry_act),
+]
+
+
+def _loadable_pairs(case: Case) -> list[str]:
+    return [b for b in case.backends if loadable(b)]
+
+
+# -- batch snapshots ---------------------------------------------------------------------------
+
+
+def snapshot(obj: Any) -> Any:
+    """A deep record of ``obj``: identities, tensor metadata, version counters and values."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", id(obj), obj.dtype, tuple(obj.shape), obj.stride(), obj._version,
+                obj.requires_grad, obj.detach().clone())
+    if isinstance(obj, dict):
+        return ("dict", id(obj), list(obj.keys()), {k: snapshot(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, id(obj), [snapshot(v) for v in obj])
+    return ("value", id(obj), copy.deepcopy(obj))
+
+
+def assert_unchanged(obj: Any, snap: Any, path: str = "batch") -> None:
+    """Fail with the path of the first difference between ``obj`` and its snapshot."""
+    kind = snap[0]
+    assert id(obj) == snap[1], f"{path} was replaced"
+    if kind == "tensor":
+        _, _, dtype, shape, stride, version, req, values = snap
+        assert (obj.dtype, tuple(obj.shape), obj.stride()) == (dtype, shape, stride), path
+        assert obj._version == version, f"{path} was written in place"
+        assert obj.requires_grad == req, f"{path}.requires_grad changed"
+        assert torch.equal(obj.detach(), values), f"{path} values changed"
+    elif kind == "dict":
+        assert list(obj.keys()) == snap[2], f"{path} keys changed: {snap[2]} -> {list(obj)}"
+        for k, sub in snap[3].items():
+            assert_unchanged(obj[k], sub, f"{path}[{k!r}]")
+    elif kind in ("list", "tuple"):
+        assert len(obj) == len(snap[2]), f"{path} length changed"
+        for i, sub in enumerate(snap[2]):
+            assert_unchanged(obj[i], sub, f"{path}[{i}]")
+    else:
+        assert obj == snap[2], f"{path} changed"
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+def test_catalogue_size() -> None:
+    """The issue asks for at least 30 distinct bad inputs."""
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)), "duplicate case ids"
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_case(case: Case) -> None:
+    """The row's input raises exactly its exception type with its message; the batch is intact."""
+    backends = _loadable_pairs(case)
+    if not backends:
+        pytest.skip(f"none of {case.backends} is installed and loads")
+    assert issubclass(case.exc, BUILTIN_OF[case.exc])
+    for backend in backends:
+        batch = case.make_batch()
+        snap = snapshot(batch)
+        with pytest.raises(CPError) as info:
+            case.act(backend, batch)
+        excerpt = case.per_backend_excerpt.get(backend, case.excerpt)
+        assert type(info.value) is case.exc, (backend, type(info.value), str(info.value))
+        assert excerpt in str(info.value), (backend, str(info.value))
+        assert_unchanged(batch, snap)
+
+
+def test_valid_base_batch_shards_everywhere() -> None:
+    """The rows' errors come from the bad input alone: the base batch shards on every backend."""
+    for backend in ALL:
+        if loadable(backend):
+            do_shard(backend, base_batch())
+
+
+# -- the docs table ------------------------------------------------------------------------------
+
+_BEGIN, _END = "<!-- catalogue:begin -->", "<!-- catalogue:end -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_table() -> str:
+    """The markdown table of ``docs/errors.md``, generated from :data:`CASES`."""
+    lines = ["| # | id | backends | bad input | exception (built-in) | message excerpt |",
+             "|---|---|---|---|---|---|"]
+    for i, c in enumerate(CASES, 1):
+        backends = "all" if c.backends == ALL else (
+            "framework" if c.backends == FRAMEWORK else ", ".join(c.backends))
+        exc = f"`{c.exc.__name__}` ({BUILTIN_OF[c.exc].__name__})"
+        excerpt = f"`{_cell(c.excerpt)}`" + "".join(
+            f"; {b}: `{_cell(e)}`" for b, e in sorted(c.per_backend_excerpt.items()))
+        lines.append(f"| {i} | `{c.id}` | {backends} | {_cell(c.bad_input)} | {exc} | "
+                     f"{excerpt} |")
+    return "\n".join(lines)
+
+
+def test_docs_table_matches_cases() -> None:
+    """docs/errors.md holds exactly the catalogue this file tests (regenerate: run this file)."""
+    text = DOCS.read_text()
+    block = text.split(_BEGIN, 1)[1].split(_END, 1)[0].strip()
+    assert block == render_table(), "docs/errors.md is stale: run python tests/test_bad_inputs.py"
+
+
+if __name__ == "__main__":  # regenerate the table in docs/errors.md
+    text = DOCS.read_text()
+    head, rest = text.split(_BEGIN, 1)
+    tail = rest.split(_END, 1)[1]
+    DOCS.write_text(f"{head}{_BEGIN}\n{render_table()}\n{_END}{tail}")
+    print(f"wrote {len(CASES)} rows to {DOCS}", file=sys.stderr)

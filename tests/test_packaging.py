@@ -1,0 +1,112 @@
+"""Packaging: wheels of every package, the ``cp-core[...]`` extras, and each package alone.
+
+Everything is installed offline from freshly built wheels into new virtual environments (see
+``conftest.py``: third-party dependencies come from a shim of the project's environment, so
+nothing large is downloaded and none of the editable ``cp-*`` installs is visible).
+
+Each package's own tests run in its fresh environment against the installed wheel. By default
+the quick part of them runs (multi-rank and parity checks are excluded: the main suite runs
+those against the same code); set ``CP_PACKAGING_FULL_TESTS=1`` to run them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FreshEnv = Any  # conftest.FreshEnv (conftest modules are not importable under importlib mode)
+
+
+def _toml(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def project_name(folder: Path) -> str:
+    """The distribution name declared in ``folder/pyproject.toml``."""
+    return str(_toml(folder / "pyproject.toml")["project"]["name"])
+
+
+#: Package folders listed in the root pyproject.toml (the workspace members).
+MEMBERS = [REPO / m for m in _toml(REPO / "pyproject.toml")["tool"]["cp-workspace"]["members"]]
+
+#: The backend each extra brings and the distribution that provides it.
+EXTRAS = {"te": ("cp-te", "te_thd"), "magi": ("cp-magi", "magi"),
+          "blockdiag": ("cp-blockdiag", "blockdiag")}
+
+_PROBE = """
+import json
+from cp_core.registry import available_backends, get_backend
+out = {"available": list(available_backends()), "errors": {}}
+for name in NAMES:
+    try:
+        get_backend(name)
+    except Exception as exc:
+        out["errors"][name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def _probe(env: FreshEnv, names: list[str]) -> dict:
+    proc = env.run("python", "-c", _PROBE.replace("NAMES", repr(names)))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_package_has_a_wheel_with_its_entry_points(wheelhouse: Path) -> None:
+    wheels = {p.name.split("-")[0]: p for p in wheelhouse.glob("*.whl")}
+    for folder in MEMBERS:
+        dist = project_name(folder).replace("-", "_")
+        assert dist in wheels, f"no wheel for {folder.name}; built {sorted(wheels)}"
+    with zipfile.ZipFile(wheels["cp_core"]) as zf:
+        names = zf.namelist()
+        eps = zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    # Package data a user needs at run time travels in the wheel.
+    assert "cp_core/data/doc_length_distribution.csv" in names
+    for backend in ("identity", "contiguous", "round_robin", "aux_only"):
+        assert f"{backend} = cp_core.backends:" in eps
+    assert "cp-plan = cp_core.cli.plan:main" in eps
+
+
+@pytest.mark.parametrize("extra", ["te", "magi", "blockdiag", "all"])
+def test_extra_resolves_to_its_backend_packages(fresh_env: FreshEnv, extra: str) -> None:
+    report = fresh_env.root / "report.json"
+    fresh_env.pip_install("--dry-run", "--report", str(report),
+                          f"cp-core[{extra}]")
+    names = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    wanted = {dist for dist, _ in EXTRAS.values()} if extra == "all" else {EXTRAS[extra][0]}
+    assert {n for n in names if n.startswith("cp-")} == {"cp-core", *wanted}
+
+
+def test_te_extra_in_a_fresh_environment(fresh_env: FreshEnv) -> None:
+    fresh_env.pip_install("cp-core[te]")
+    out = _probe(fresh_env, ["te_thd", "magi"])
+    assert "te_thd" in out["available"] and "magi" not in out["available"]
+    assert {"identity", "contiguous", "round_robin", "aux_only"} <= set(out["available"])
+    assert "te_thd" not in out["errors"], out["errors"].get("te_thd")
+    assert "pip install 'cp-core[magi]'" in out["errors"]["magi"]
+    assert out["errors"]["magi"].startswith("CPBackendNotFoundError")
+
+
+@pytest.mark.parametrize("folder", MEMBERS, ids=[m.name for m in MEMBERS])
+def test_package_installs_alone_and_passes_its_tests(fresh_env: FreshEnv, folder: Path) -> None:
+    dist = project_name(folder)
+    fresh_env.pip_install(dist)
+    where = fresh_env.run("python", "-c", "import cp_core; print(cp_core.__file__)").stdout
+    assert str(fresh_env.root) in where, f"cp_core imported from outside the fresh env: {where}"
+    others = {d for d, _ in EXTRAS.values()} - {dist}
+    out = _probe(fresh_env, [])
+    provided = {b for d, b in EXTRAS.values() if d in others}
+    assert not provided & set(out["available"]), "another backend package leaked in"
+    select = [] if os.environ.get("CP_PACKAGING_FULL_TESTS") == "1" else [
+        "-m", "not multirank and not slow and not gpu", "-k", "not multirank and not parity"]
+    fresh_env.run("python", "-m", "pytest", str(folder / "tests"), "-q", "-x",
+                  "-p", "no:cacheprovider", *select, cwd=fresh_env.root, timeout=600)

@@ -1,0 +1,203 @@
+"""``verify_layout``: one small collective per step proves every CP rank saw the same batch.
+
+Real gloo ranks (one pool of 4 for the module) shard with ``verify_layout=True`` on every
+installed backend at CP 2 and 4: the same batch passes with exactly one all-gather of a few
+int64 per ``shard``; batches that differ on some ranks (one label, two swapped tokens, a whole
+other row) raise :class:`CPLayoutError` on every rank, naming the diverging ranks; ranks that
+compute different layouts from the same batch are caught too. The pure decision rule
+(:func:`cp_core.verify.check_vectors`) is also tested in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_core.comm import count_collectives
+from cp_core.errors import CPError, CPLayoutError
+from cp_core.layout import ShardLayout
+from cp_core.registry import available_backends, build_sharder, get_backend
+from cp_core.testing.multirank import RankPool, collective_timeout
+from cp_core.verify import VECTOR_LEN, check_vectors, local_vector, tensor_fingerprint
+
+WORLD = 4
+TIMEOUT_S = 20.0
+_GROUPS: dict[int, Any] = {}
+
+
+def loadable_backends() -> list[str]:
+    """Installed backends that import and shard at CP > 1 (identity is CP=1 only)."""
+    out = []
+    for name in available_backends():
+        try:
+            get_backend(name)
+        except CPError:
+            continue
+        if name != "identity":
+            out.append(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(WORLD, collective_timeout_s=TIMEOUT_S) as p:
+        yield p
+
+
+def cp_group(size: int) -> Any:
+    """This rank's group of ``size`` consecutive ranks, bounded by the test timeout.
+
+    ``new_subgroups`` defaults to torch's 30-minute timeout, not the pool's, so pass it.
+    """
+    if size == dist.get_world_size():
+        return dist.group.WORLD
+    if size not in _GROUPS:
+        _GROUPS[size], _ = dist.new_subgroups(group_size=size, timeout=collective_timeout())
+    return _GROUPS[size]
+
+
+def make_batch(seed: int = 0) -> dict[str, Any]:
+    """A packed batch (documents from position_ids resets), B=2, S=13."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 100, (2, 13), generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4], list(range(13))])
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
+
+
+def altered(kind: str) -> dict[str, Any]:
+    """The batch of :func:`make_batch` with one kind of difference."""
+    batch = make_batch()
+    if kind == "one_label":
+        batch["labels"] = batch["labels"].clone()
+        batch["labels"][1, 7] = -100
+    elif kind == "swapped":  # same values, same sums: only the position weights notice
+        ids = batch["input_ids"].clone()
+        ids[0, 2], ids[0, 9] = int(ids[0, 9]), int(ids[0, 2])
+        if torch.equal(ids, batch["input_ids"]):
+            ids[0, 2] += 1
+        batch["input_ids"] = ids
+    elif kind == "other_batch":
+        batch = make_batch(seed=1)
+    return batch
+
+
+def case_agree(rank: int, world: int, backend: str, size: int) -> dict[str, Any]:
+    group = cp_group(size)
+    s = build_sharder({"backend": backend, "size": size, "verify_layout": True}, group)
+    with count_collectives() as stats:
+        s.shard(make_batch())
+    return {"calls": dict(stats.calls), "bytes": stats.bytes_sent}
+
+
+def case_diverge(rank: int, world: int, backend: str, size: int, bad_ranks: list[int],
+                 kind: str) -> str:
+    group = cp_group(size)
+    cp_rank = dist.get_rank(group)
+    batch = altered(kind) if cp_rank in bad_ranks else make_batch()
+    s = build_sharder({"backend": backend, "size": size, "verify_layout": True}, group)
+    try:
+        s.shard(batch)
+    except CPLayoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def case_layout_diverge(rank: int, world: int, backend: str) -> str:
+    # Same batch on every rank, but CP rank 1 was configured with another pad multiple: the
+    # layouts differ although the batches agree.
+    group = cp_group(2)
+    cp_rank = dist.get_rank(group)
+    cfg = {"backend": backend, "size": 2, "verify_layout": True,
+           "pad_multiple": 4 if cp_rank == 1 else 1}
+    try:
+        build_sharder(cfg, group).shard(make_batch())
+    except CPLayoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("size", [2, 4])
+def test_same_batch_passes_with_one_small_collective(pool: RankPool, size: int) -> None:
+    for backend in loadable_backends():
+        results = pool.run(case_agree, backend, size)
+        for rank, r in enumerate(results):
+            # one all-gather of VECTOR_LEN int64 from each rank, nothing else
+            assert r["calls"] == {"all_gather": 1}, (backend, rank, r)
+            assert r["bytes"] == VECTOR_LEN * 8, (backend, rank, r)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["one_label", "swapped", "other_batch"])
+def test_different_batches_raise_on_every_rank(pool: RankPool, kind: str) -> None:
+    for backend in loadable_backends():
+        msgs = pool.run(case_diverge, backend, 2, [1], kind)
+        for rank, msg in enumerate(msgs):  # both CP groups of 2 ([0,1] and [2,3])
+            assert "ranks [1] were fed a different batch than rank 0" in msg, (backend, rank, msg)
+
+
+@pytest.mark.multirank
+def test_diverging_ranks_are_named_at_cp4(pool: RankPool) -> None:
+    for backend in loadable_backends():
+        msgs = pool.run(case_diverge, backend, 4, [1, 3], "one_label")
+        for rank, msg in enumerate(msgs):
+            assert "ranks [1, 3] were fed a different batch than rank 0 (ranks [0, 2] agree" \
+                in msg, (backend, rank, msg)
+
+
+@pytest.mark.multirank
+def test_different_layouts_from_the_same_batch_raise(pool: RankPool) -> None:
+    for backend in loadable_backends():
+        msgs = pool.run(case_layout_diverge, backend)
+        for rank, msg in enumerate(msgs):
+            assert "computed different layouts from the same batch: ranks [1]" in msg, \
+                (backend, rank, msg)
+
+
+# -- the decision rule, in one process ---------------------------------------------------------
+
+
+def _layout(rank: int, rows: list[list[int]], padded: int) -> ShardLayout:
+    ranks = torch.tensor(rows)
+    return ShardLayout(local_token_global_indices=ranks[rank], original_seq_len=padded,
+                       padded_seq_len=padded, rank_global_indices=ranks, cp_rank=rank,
+                       cp_size=len(rows))
+
+
+def test_check_vectors_accepts_a_partition() -> None:
+    rows = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    batch = make_batch()
+    check_vectors(torch.stack([local_vector(r, batch, _layout(r, rows, 8)) for r in range(2)]), 8)
+
+
+def test_check_vectors_rejects_overlapping_indices() -> None:
+    rows = [[0, 1, 2, 3], [2, 3, 4, 5]]  # positions 2, 3 twice; 6, 7 nowhere
+    batch = make_batch()
+    vecs = torch.stack([local_vector(r, batch, _layout(r, rows, 8)) for r in range(2)])
+    with pytest.raises(CPLayoutError, match=r"do not partition the padded stream \[0, 8\)"):
+        check_vectors(vecs, 8)
+
+
+def test_check_vectors_rejects_own_row_mismatch() -> None:
+    rows = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    batch = make_batch()
+    good = _layout(1, rows, 8)
+    bad = ShardLayout(local_token_global_indices=torch.tensor([2, 3, 5, 4]), original_seq_len=8,
+                      padded_seq_len=8, rank_global_indices=good.rank_global_indices,
+                      cp_rank=1, cp_size=2)
+    vecs = torch.stack([local_vector(0, batch, _layout(0, rows, 8)), local_vector(1, batch, bad)])
+    with pytest.raises(CPLayoutError, match=r"ranks \[1\] hold local indices that differ"):
+        check_vectors(vecs, 8)
+
+
+def test_fingerprint_is_exact_for_floats_and_order_sensitive() -> None:
+    x = torch.randn(1000, dtype=torch.float32)
+    y = x.clone()
+    y[10] = torch.nextafter(y[10], torch.tensor(float("inf")))  # one ulp apart
+    assert tensor_fingerprint(x) != tensor_fingerprint(y)
+    assert tensor_fingerprint(x) == tensor_fingerprint(x.clone())
+    assert tensor_fingerprint(x) != tensor_fingerprint(x.flip(0))
+    assert tensor_fingerprint(x.to(torch.bfloat16)) != tensor_fingerprint(y.to(torch.float64))

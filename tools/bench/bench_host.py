@@ -1,0 +1,167 @@
+"""Host cost of sharding: time to shard one batch at cp=8, ours and the peers', same batches.
+
+Batches ``[1, 131072]`` and ``[8, 16384]`` (``--quick``: ``[1, 4096]``, ``[2, 1024]``) are
+packed rows from the shared histogram (documents capped at a quarter of the row, seeded),
+built by :mod:`host_batch` from one JSON spec in every process: ``input_ids``, ``labels``,
+``position_ids`` restarting per document, ``loss_mask``. Each side shards as rank 0 of 8
+(ours with a :class:`~cp_core.mesh.SimulatedCPMesh`, the peers with torch's fake process
+group) and the timed region is the library's shard call plus entering and leaving the
+context it returns (where NeMo's round-robin path actually shards). Inputs are fresh copies
+every run (untimed). All sides run on one thread. Median of ``repeats`` after ``warmup``.
+
+Peers (``--peers``): Megatron-Core ``get_batch_on_this_cp_rank`` and NeMo AutoModel's
+``ContextParallelSharder`` round-robin and contiguous paths, each in its own venv. The
+``vs_*`` columns are ours / peer (below 1: we are faster); the peer is compared with the
+backend of the same layout (round_robin vs head-tail peers, contiguous vs NeMo contiguous),
+and every backend is compared with Megatron as the common yardstick.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cp_core.datasets import packed_rows
+
+from backends import benchmark_backends, make_sharder
+from host_batch import build_from_spec, clone_batch
+from report import make_result, time_median
+
+CP = 8
+COLUMNS = ["backend", "shape", "ms", "vs_megatron", "vs_nemo_rr", "vs_nemo_contig", "same_as_peer"]
+
+#: Which peer case implements the same layout as one of our backends (for the fingerprint
+#: check and the like-for-like ratio).
+SAME_LAYOUT = {"megatron_head_tail": "round_robin", "nemo_round_robin": "round_robin",
+               "nemo_contiguous": "contiguous"}
+
+
+def host_specs(quick: bool, seed: int) -> list[dict[str, Any]]:
+    """Batch specs (document lengths per row) of the benchmark shapes."""
+    shapes = [(1, 4096), (2, 1024)] if quick else [(1, 131072), (8, 16384)]
+    specs = []
+    for i, (b, s) in enumerate(shapes):
+        specs.append({"doc_lens": packed_rows(b, s, seed + i, cap_fraction=0.25),
+                      "vocab": 32000, "seed": seed + i})
+    return specs
+
+
+def _fingerprint(t: torch.Tensor) -> list[Any]:
+    flat = t.reshape(-1).to(torch.float64)
+    w = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    return [list(t.shape), float((flat * w).sum())]
+
+
+def time_ours(name: str, batch: dict[str, torch.Tensor], repeats: int, warmup: int
+              ) -> dict[str, Any]:
+    """Median time of ``shard`` + entering/leaving its context for backend ``name``."""
+    sharder = make_sharder(name, CP)
+    holder: dict[str, Any] = {}
+
+    def run(b: dict[str, torch.Tensor]) -> None:
+        ctx_factory, out = sharder.shard(b)
+        with ctx_factory():
+            holder["out"] = out
+
+    timing = time_median(run, repeats=repeats, warmup=warmup, setup=lambda: clone_batch(batch))
+    timing["input_ids"] = _fingerprint(holder["out"]["input_ids"])
+    return timing
+
+
+def time_peers(specs: list[dict[str, Any]], out_dir: Path, repeats: int, warmup: int
+               ) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str], dict[str, Any]]:
+    """Create the peer venvs and time every peer case: ``({(case, shape): timing}, notes, info)``."""
+    from peer_env import PEERS, ensure_venv, run_peer
+
+    root = out_dir / "peer_venvs"
+    spec_file = out_dir / "host_batch_specs.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(specs))
+    timings: dict[tuple[str, str], dict[str, Any]] = {}
+    notes: list[str] = []
+    info: dict[str, Any] = {}
+    for peer in PEERS:
+        try:
+            python = ensure_venv(peer, root)
+            res = run_peer(peer, python, spec_file, cp=CP, rank=0, repeats=repeats,
+                           warmup=warmup)
+        except Exception as exc:  # say exactly why, and go on with the other peers
+            notes.append(f"peer {peer.name} ({peer.package}) unavailable: {exc}")
+            continue
+        info[peer.name] = res["info"]
+        for r in res["results"]:
+            timings[(r["case"], "x".join(map(str, r["shape"])))] = r
+    return timings, notes, info
+
+
+def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("bench_results"),
+             seed: int = 4321) -> dict[str, Any]:
+    """Time every installed backend (and the peers with ``peers=True``); the result record."""
+    repeats, warmup = (3, 1) if quick else (20, 3)
+    specs = host_specs(quick, seed)
+    names, load_errors = benchmark_backends(CP)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ours: dict[tuple[str, str], dict[str, Any]] = {}
+    notes: list[str] = []
+    try:
+        for spec in specs:
+            batch = build_from_spec(spec)
+            shape = "x".join(map(str, batch["input_ids"].shape))
+            for n in names:
+                try:
+                    ours[(n, shape)] = time_ours(n, batch, repeats, warmup)
+                except Exception as exc:
+                    ours[(n, shape)] = {"error": f"{type(exc).__name__}: {exc}"}
+                    notes.append(f"{n} on {shape} failed: {type(exc).__name__}: {exc}")
+    finally:
+        torch.set_num_threads(threads)
+    peer_t: dict[tuple[str, str], dict[str, Any]] = {}
+    peer_info: dict[str, Any] = {}
+    if peers:
+        peer_t, peer_notes, peer_info = time_peers(specs, out_dir, repeats, warmup)
+        notes += peer_notes
+    shapes = ["x".join(str(d) for d in (len(s["doc_lens"]), sum(s["doc_lens"][0]))) for s in specs]
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        for n in names:
+            t = ours[(n, shape)]
+            if "error" in t:
+                rows.append({"backend": n, "shape": shape, "error": t["error"]})
+                continue
+            row: dict[str, Any] = {"backend": n, "shape": shape, "ms": 1e3 * t["median_s"],
+                                   "timing": t}
+            same = []
+            for case, col in (("megatron_head_tail", "vs_megatron"),
+                              ("nemo_round_robin", "vs_nemo_rr"),
+                              ("nemo_contiguous", "vs_nemo_contig")):
+                p = peer_t.get((case, shape))
+                if p is None:
+                    continue
+                row[col] = t["median_s"] / p["median_s"]
+                if SAME_LAYOUT[case] == n:
+                    same.append(f"{case}:{'yes' if p['input_ids'] == t['input_ids'] else 'NO'}")
+            row["same_as_peer"] = ",".join(same) or None
+            rows.append(row)
+        for case in ("megatron_head_tail", "nemo_round_robin", "nemo_contiguous"):
+            p = peer_t.get((case, shape))
+            if p is not None:
+                rows.append({"backend": f"[peer] {case}", "shape": shape,
+                             "ms": 1e3 * p["median_s"], "timing": p})
+    for n, err in load_errors.items():
+        notes.append(f"backend {n} is installed but does not load: {err}")
+    if peers and not peer_t:
+        notes.append("no peer could be timed (see the notes above)")
+    notes.append("ms = median of the shard call + entering/leaving its context, rank 0 of "
+                 f"cp={CP}, one thread; vs_* = ours / peer (< 1: ours faster); same_as_peer: "
+                 "rank 0's input_ids shard is identical to the peer of the same layout")
+    settings = {"cp": CP, "rank": 0, "shapes": shapes, "repeats": repeats, "warmup": warmup,
+                "seed": seed, "peers": peers, "peer_info": peer_info, "quick": quick,
+                "threads": 1}
+    return make_result("host", settings, rows, COLUMNS, notes)
+
+
+__all__ = ["run_host", "host_specs", "time_ours", "COLUMNS"]

@@ -1,0 +1,76 @@
+"""One entry point for the benchmarks: prints a table and writes JSON per benchmark.
+
+    python tools/bench/run.py {balance,host,gather,transport,all} [--quick] [--out DIR] [--peers]
+
+``--quick`` runs tiny sizes in seconds (what the smoke test uses); ``--peers`` creates the
+peers' virtual environments under ``DIR/peer_venvs/`` (Megatron-Core, NeMo AutoModel; never in
+the project's environment) and times them on the same batches in the host benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+# The scripts import each other by file name; make that work however run.py is started.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import DEFAULT_OUT, print_result, write_result  # noqa: E402
+
+BENCHMARKS = ("balance", "host", "gather", "transport")
+
+
+def _runner(name: str) -> Callable[..., dict[str, Any]]:
+    # Imported on demand so one benchmark's dependencies never slow or break another.
+    if name == "balance":
+        from bench_balance import run_balance
+
+        return run_balance
+    if name == "host":
+        from bench_host import run_host
+
+        return run_host
+    if name == "gather":
+        from bench_gather import run_gather
+
+        return run_gather
+    from bench_transport import run_transport
+
+    return run_transport
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run the chosen benchmarks, print and save their results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"folder of the JSON results (default {DEFAULT_OUT}/)")
+    parser.add_argument("--peers", action="store_true",
+                        help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
+    args = parser.parse_args(argv)
+    names = BENCHMARKS if args.which == "all" else (args.which,)
+    failures = 0
+    for name in names:
+        kwargs: dict[str, Any] = {"quick": args.quick}
+        if name == "host":
+            kwargs.update(peers=args.peers, out_dir=args.out)
+        try:
+            result = _runner(name)(**kwargs)
+        except Exception as exc:  # one broken benchmark must not hide the others
+            failures += 1
+            print(f"\n== {name} == FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+            import traceback
+
+            traceback.print_exc()
+            continue
+        print_result(result)
+        path = write_result(result, args.out)
+        print(f"  wrote {path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
