@@ -75,3 +75,16 @@ def test_flat_layout_row_coordinates_round_trip() -> None:
     assert back.tolist() == [[1.0, 2.0, 0.0], [4.0, 5.0, 6.0]]
     with pytest.raises(CPBatchError, match="fill="):
         s.gather_token_tensor(stream, seq_dim=0, trim=True)
+
+
+def test_flat_caller_stream_goes_through_the_position_map() -> None:
+    # Caller rows [2, 3] flattened to [6]; the stream interleaves a pad slot after row 0's
+    # document, so padding at the end would misplace row 1.
+    positions = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    layout = ShardLayout(local_token_global_indices=torch.arange(8), original_seq_len=6,
+                         padded_seq_len=8, input_row_shape=(2, 3),
+                         input_token_stream_positions=positions,
+                         rank_global_indices=torch.arange(8).unsqueeze(0))
+    s = ContextParallelSharder(shard_batch=lambda *a, **k: None, cp_mesh=None, shard_layout=layout)
+    flat = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert s.shard_token_tensor(flat, seq_dim=0, fill=0.0).tolist() == [1, 2, 3, 0, 4, 5, 6, 0]

@@ -83,6 +83,12 @@ class ContextParallelSharder:
                 positions.shape):
             tensor = self._rows_to_stream(tensor, dim, layout, fill)
             dim -= 1
+        elif positions is not None and tensor.shape[dim] == positions.numel():
+            # The caller's rows already flattened ([B*S]): their order is the caller's, not
+            # the stream's (per-document pad sits between documents), so map through the
+            # position map instead of padding at the end.
+            rows = tensor.unflatten(dim, tuple(positions.shape))
+            tensor = self._rows_to_stream(rows, dim + 1, layout, fill)
         elif tensor.shape[dim] == layout.padded_seq_len:
             pass
         elif tensor.shape[dim] == layout.original_seq_len:
