@@ -90,3 +90,29 @@ def test_hf_llama_cp2_matches_cp1(pool: RankPool, backend: str) -> None:
         assert res["loss"] <= 1e-5 and res["grad"] <= 1e-5, res
         assert res["logits_vs_cp1"] <= 1e-5, res
         assert res["cp1_vs_hf_alone"] <= 1e-5, res
+
+
+def _hf_infers_packing(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from cp_core.errors import CPAttentionError
+    from cp_core.registry import build_sharder
+
+    batch = make_packed_batch(DOCS, vocab=64, seed=5, pad_to=SEQ)
+    sharder = build_sharder({"backend": "round_robin", "size": world}, dist.group.WORLD)
+    ctx, local = sharder.shard(batch)
+    try:
+        with ctx():
+            _model()(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                     use_cache=False)
+    except CPAttentionError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_hf_mask_from_permuted_positions_is_refused_loudly(pool: RankPool) -> None:
+    """Without the all-ones attention_mask HF builds a 4-D mask from the local (permuted)
+    positions; the transport refuses it instead of silently attending wrongly."""
+    for msg in pool.run(_hf_infers_packing):
+        assert "cannot honour an explicit attn_mask" in msg, msg

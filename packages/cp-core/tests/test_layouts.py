@@ -94,13 +94,14 @@ def _assemble(parts: list[torch.Tensor], indices: list[torch.Tensor], dim: int =
 @pytest.mark.parametrize("seq", [13, 30])
 def test_round_robin_pad_rules(cp: int, seq: int) -> None:
     batch = _batch(2, seq)
-    padded = -(-seq // (2 * cp)) * 2 * cp
+    divisor = 1 if cp == 1 else 2 * cp  # one rank needs no balancing pad
+    padded = -(-seq // divisor) * divisor
     outs, idxs = [], []
     for r in range(cp):
         _, out, layout = shard_batch_load_balanced(SimulatedCPMesh(r, cp), None, batch,
                                                    padding_token_id=7)
         assert layout.padded_seq_len == padded and layout.original_seq_len == seq
-        assert layout.pad_multiple == 2 * cp
+        assert layout.pad_multiple == divisor
         outs.append(out)
         idxs.append(layout.local_token_global_indices)
     full = {k: _assemble([o[k] for o in outs], idxs) for k in ("input_ids", "labels",
@@ -122,7 +123,7 @@ def test_contiguous_pad_rules(cp: int, pad_multiple: int) -> None:
     batch = _batch(2, seq)
     batch["position_ids"] = torch.arange(seq).unsqueeze(0) + 5
     loss_mask = torch.ones(2, seq)
-    divisor = cp * max(pad_multiple, 2)
+    divisor = pad_multiple if cp == 1 else cp * max(pad_multiple, 2)
     padded = -(-seq // divisor) * divisor
     outs, idxs = [], []
     for r in range(cp):
@@ -208,14 +209,17 @@ def test_extra_seq_buffers_use_their_own_seq_dim() -> None:
                                   extra_seq_buffers={"vision_group": 1})
 
 
-def test_aux_only_leaves_primary_full_and_matches_in_forward_slice() -> None:
+@pytest.mark.parametrize("cp,pad_multiple", [(1, 1), (1, 4), (4, 1), (4, 3)])
+def test_aux_only_leaves_primary_full_and_matches_in_forward_slice(cp: int, pad_multiple: int) -> None:
     batch = _batch(2, 13, embeds=True)
-    for r in range(4):
-        mesh = SimulatedCPMesh(r, 4)
-        _, out, layout = shard_batch_aux_only(mesh, None, batch)
+    for r in range(cp):
+        mesh = SimulatedCPMesh(r, cp)
+        _, out, layout = shard_batch_aux_only(mesh, None, batch, pad_multiple=pad_multiple)
         assert out["inputs_embeds"].shape == batch["inputs_embeds"].shape
-        local, idx, padded = shard_sequence_for_cp_round_robin(mesh, batch["inputs_embeds"])
-        _, lb, _ = shard_batch_load_balanced(mesh, None, batch)
+        local, idx, padded = shard_sequence_for_cp_round_robin(mesh, batch["inputs_embeds"],
+                                                               pad_multiple=pad_multiple)
+        assert local.shape[1] == out["labels"].shape[1]  # logits and labels line up
+        _, lb, _ = shard_batch_load_balanced(mesh, None, batch, pad_multiple=pad_multiple)
         assert torch.equal(idx, layout.local_token_global_indices) and padded == layout.padded_seq_len
         assert torch.equal(local, lb["inputs_embeds"])
         assert torch.equal(out["labels"], lb["labels"])

@@ -16,6 +16,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from cp_core import comm
+
 from cp_blockdiag.routing import KVRoute
 
 
@@ -62,14 +64,7 @@ def _record(key: str, sent: int, received: int) -> None:
         stats.record(key, sent, received)
     # Also feed cp_core's collective counter where it exposes one, so repository-wide
     # ``count_collectives`` blocks see this traffic too.
-    try:
-        from cp_core import comm
-
-        rec = getattr(comm, "_record", None)
-        if rec is not None:
-            rec(f"blockdiag_{key}", sent)
-    except ImportError:  # pragma: no cover - cp_core is a dependency
-        pass
+    comm.record_collective(f"blockdiag_{key}", sent)
 
 
 # -- packing -------------------------------------------------------------------------------

@@ -54,7 +54,9 @@ def count_collectives() -> Iterator[CommStats]:
         _active().remove(stats)
 
 
-def _record(op: str, nbytes: int) -> None:
+def record_collective(op: str, nbytes: int) -> None:
+    """Count a collective sent outside these wrappers (a backend's own exchange), so
+    :func:`count_collectives` sees every byte cp_core and its backends send."""
     for stats in _active():
         stats.record(op, nbytes)
 
@@ -67,7 +69,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Ten
     """All-gather equally shaped tensors; returns one tensor per rank in rank order."""
     tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    _record("all_gather", _nbytes(tensor))
+    record_collective("all_gather", _nbytes(tensor))
     dist.all_gather(out, tensor, group=group)
     return out
 
@@ -82,14 +84,14 @@ def all_to_all(inputs: list[torch.Tensor], group: dist.ProcessGroup) -> list[tor
     ndim = inputs[0].dim()
     shapes = torch.tensor([list(t.shape) for t in inputs], dtype=torch.long)
     recv_shapes = torch.empty(size, ndim, dtype=torch.long)
-    _record("all_to_all", _nbytes(shapes))
+    record_collective("all_to_all", _nbytes(shapes))
     dist.all_to_all_single(recv_shapes, shapes, group=group)
     outs = [
         torch.empty(tuple(int(s) for s in recv_shapes[j]), dtype=inputs[0].dtype,
                     device=inputs[0].device)
         for j in range(size)
     ]
-    _record("all_to_all", sum(_nbytes(t) for t in inputs))
+    record_collective("all_to_all", sum(_nbytes(t) for t in inputs))
     dist.all_to_all(outs, inputs, group=group)
     return outs
 
@@ -98,7 +100,7 @@ def all_to_all_same_shape(inputs: list[torch.Tensor], group: dist.ProcessGroup) 
     """All-to-all where every rank sends and receives tensors shaped like ``inputs[0]``."""
     inputs = [t.contiguous() for t in inputs]
     outs = [torch.empty_like(inputs[0]) for _ in inputs]
-    _record("all_to_all", sum(_nbytes(t) for t in inputs))
+    record_collective("all_to_all", sum(_nbytes(t) for t in inputs))
     dist.all_to_all(outs, inputs, group=group)
     return outs
 
@@ -108,7 +110,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
     """In-place all-reduce (no-op without a group); returns the tensor."""
     if group is None:
         return tensor
-    _record("all_reduce", _nbytes(tensor))
+    record_collective("all_reduce", _nbytes(tensor))
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -152,6 +154,7 @@ def differentiable_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, di
 
 __all__ = [
     "CommStats",
+    "record_collective",
     "count_collectives",
     "all_gather",
     "all_to_all",

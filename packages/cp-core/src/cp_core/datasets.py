@@ -91,11 +91,17 @@ def sample_document_lengths(rng: np.random.Generator, n_tokens: int, cap: int,
     lengths: list[int] = []
     left = n_tokens
     while left > 0:
-        b = int(rng.choice(len(probs), p=probs))
-        n = int(rng.integers(hist.low[b], hist.high[b], endpoint=True))
-        n = min(n, cap, left)
-        lengths.append(n)
-        left -= n
+        # Draw documents in vectorised batches sized to the expected need (draws past the
+        # end of the row are discarded; the sequence stays a pure function of the seed).
+        k = max(8, min(4096, left // 64))
+        bins = rng.choice(len(probs), size=k, p=probs)
+        draws = np.minimum(rng.integers(hist.low[bins], hist.high[bins], endpoint=True), cap)
+        for n in draws.tolist():
+            n = min(int(n), left)
+            lengths.append(n)
+            left -= n
+            if left == 0:
+                break
     return lengths
 
 

@@ -231,8 +231,6 @@ def _shard_sequence(cp_mesh: Any, tensor: torch.Tensor, seq_dim: int, pad_value:
                     divisor: int, index_fn: IndexFn) -> tuple[torch.Tensor, torch.Tensor, int]:
     dim = seq_dim % tensor.dim()
     seq = tensor.shape[dim]
-    if cp_size(cp_mesh) == 1:
-        return tensor, torch.arange(seq, device=tensor.device), seq
     padded = round_up(seq, divisor)
     t = pad_seq_dim(tensor, dim, padded - seq, pad_value)
     idx = index_fn(cp_mesh, padded, tensor.device)
@@ -246,7 +244,7 @@ def shard_sequence_for_cp_round_robin(
     """Pad to ``2*cp*pad_multiple`` and keep chunks r and ``2*cp-1-r`` inside a model forward
     (differentiable, so gradients reach the embeddings). ``pad_multiple`` is the per-chunk
     multiple the aux-only sharder was configured with. Returns ``(local, local_indices,
-    padded_seq_len)``; identity at CP size 1.
+    padded_seq_len)``; at CP size 1 only the per-chunk multiple pads (as the batch path).
     """
     divisor = round_robin_divisor(cp_size(cp_mesh), pad_multiple)
     return _shard_sequence(cp_mesh, tensor, seq_dim, pad_value, divisor, round_robin_local_indices)

@@ -117,6 +117,8 @@ def round_robin_local_indices(
     ``context_parallel`` and Megatron-Core's ``get_batch_on_this_cp_rank``).
     """
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
+    if size == 1:  # one rank owns both chunks, in order: any length works
+        return torch.arange(padded_seq_len, dtype=torch.long, device=device)
     _check_divisible(padded_seq_len, 2 * size, "round-robin layout")
     c = padded_seq_len // (2 * size)
     head = torch.arange(rank * c, (rank + 1) * c, dtype=torch.long, device=device)

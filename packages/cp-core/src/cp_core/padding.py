@@ -26,13 +26,17 @@ def per_chunk_multiple(
 
 
 def round_robin_divisor(cp: int, chunk_multiple: int = 1) -> int:
-    """Padded-length divisor of the head-tail layout: ``2*cp`` chunks of ``chunk_multiple``."""
-    return 2 * cp * chunk_multiple
+    """Padded-length divisor of the head-tail layout: ``2*cp`` chunks of ``chunk_multiple``.
+
+    At CP size 1 there is nothing to balance, so only the per-chunk multiple applies (the
+    batch path and the in-forward slice must agree on this, or labels and logits differ)."""
+    return chunk_multiple if cp == 1 else 2 * cp * chunk_multiple
 
 
 def contiguous_divisor(cp: int, chunk_multiple: int = 1) -> int:
-    """Padded-length divisor of the contiguous layout: ``cp * max(multiple, 2)`` (as the seed)."""
-    return cp * max(chunk_multiple, 2)
+    """Padded-length divisor of the contiguous layout: ``cp * max(multiple, 2)`` (as the seed);
+    only the per-chunk multiple at CP size 1."""
+    return chunk_multiple if cp == 1 else cp * max(chunk_multiple, 2)
 
 
 __all__ = ["per_chunk_multiple", "round_robin_divisor", "contiguous_divisor"]

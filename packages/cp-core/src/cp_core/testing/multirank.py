@@ -93,10 +93,10 @@ def _worker(rank: int, world: int, port: int, conn: Any, collective_timeout_s: f
             conn.send(("ok", fn(rank, world, *args, **kwargs)))
         except BaseException:  # report everything, including assertion errors
             conn.send(("err", traceback.format_exc()))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    # Leave at once: destroying the group or waiting for gloo's threads at interpreter exit
+    # can take seconds per rank, and the parent only needs the process gone.
+    conn.close()
+    os._exit(0)
 
 
 def collective_timeout() -> timedelta:
