@@ -19,7 +19,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pytest
 from packaging.requirements import Requirement
@@ -164,6 +164,12 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def torch_shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shim folder (third-party dependencies of the project environment, linked)."""
     return build_shim(tmp_path_factory.mktemp("shim") / "site")
+
+
+@pytest.fixture(scope="session")
+def fresh_env_factory(wheelhouse: Path, torch_shim: Path) -> Callable[[Path], FreshEnv]:
+    """``make(path)``: a new virtual environment at ``path`` (for module-scoped fixtures)."""
+    return lambda path: make_fresh_env(path, wheelhouse, torch_shim)
 
 
 @pytest.fixture

@@ -111,7 +111,17 @@ def test_rank_pools_are_bounded_by_default() -> None:
     assert p.collective_timeout_s < p.run_timeout_s < 600
 
 
-_SUBGROUP_CALL = re.compile(r"\bnew_(?:sub)?groups?\((?P<args>[^)]*)\)")
+_SUBGROUP_CALL = re.compile(r"\bnew_(?:sub)?groups?\(")
+
+
+def _call_args(text: str, open_paren: int) -> str:
+    """The argument text of a call, up to its matching parenthesis."""
+    depth = 0
+    for i in range(open_paren, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_paren + 1:i]
+    return text[open_paren + 1:]
 
 
 def test_every_subgroup_in_multirank_code_has_a_timeout() -> None:
@@ -123,7 +133,7 @@ def test_every_subgroup_in_multirank_code_has_a_timeout() -> None:
         for path in root.rglob("*.py"):
             text = path.read_text(errors="replace")
             for m in _SUBGROUP_CALL.finditer(text):
-                if "timeout" not in m.group("args"):
+                if "timeout" not in _call_args(text, m.end() - 1):
                     line = text[:m.start()].count("\n") + 1
                     offenders.append(f"{path.relative_to(REPO)}:{line}: {m.group(0)}")
     assert not offenders, (

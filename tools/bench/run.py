@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
     args = parser.parse_args(argv)
     names = BENCHMARKS if args.which == "all" else (args.which,)
+    # One intra-op thread: on a small shared machine OpenMP's spinning worker threads turn
+    # millisecond tensor ops into 100 ms ones whenever another process competes for a core,
+    # and one thread is also what each peer gets. The gloo ranks set the same themselves.
+    import torch
+
+    torch.set_num_threads(1)
     failures = 0
     for name in names:
         kwargs: dict[str, Any] = {"quick": args.quick}

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_core.testing.multirank import RankPool
+from cp_core.testing.multirank import RankPool, collective_timeout
 
 pytestmark = pytest.mark.multirank
 
@@ -29,7 +29,7 @@ def _group(size: int) -> Any:
     if size == dist.get_world_size():
         return dist.group.WORLD
     if size not in _GROUPS:
-        _GROUPS[size] = dist.new_group(list(range(size)))
+        _GROUPS[size] = dist.new_group(list(range(size)), timeout=collective_timeout())
     return _GROUPS[size] if dist.get_rank() < size else None
 
 

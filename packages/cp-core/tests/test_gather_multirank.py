@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cp_core.comm import count_collectives
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import RankPool
+from cp_core.testing.multirank import RankPool, collective_timeout
 
 BACKENDS = ["round_robin", "contiguous", "aux_only"]
 
@@ -21,7 +21,7 @@ def pool():
 
 def _group(world: int, size: int):
     # every rank must take part in new_group, members or not
-    sub = dist.new_group(list(range(size)))
+    sub = dist.new_group(list(range(size)), timeout=collective_timeout())
     return sub if dist.get_rank() < size else None
 
 

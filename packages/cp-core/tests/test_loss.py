@@ -17,7 +17,7 @@ from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.grads import allreduce_gradients
 from cp_core.loss import count_label_tokens, cp_cross_entropy
 from cp_core.mesh import SimulatedCPMesh
-from cp_core.testing.multirank import RankPool
+from cp_core.testing.multirank import RankPool, collective_timeout
 
 VOCAB = 11
 
@@ -90,7 +90,7 @@ def _group(size: int) -> Any:
     if size == dist.get_world_size():
         return dist.group.WORLD
     if size not in _GROUPS:
-        _GROUPS[size] = dist.new_group(list(range(size)))
+        _GROUPS[size] = dist.new_group(list(range(size)), timeout=collective_timeout())
     return _GROUPS[size] if dist.get_rank() < size else None
 
 

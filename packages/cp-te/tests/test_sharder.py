@@ -216,12 +216,14 @@ def test_te_path_sets_the_cp_group_on_dot_product_attention() -> None:
 
     import torch.distributed as dist
 
+    from cp_core.testing.multirank import collective_timeout
+
     te = _te()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl", rank=0, world_size=1)
-    group = dist.new_group([0])
+    group = dist.new_group([0], timeout=collective_timeout())
     attn = te.DotProductAttention(num_attention_heads=2, kv_channels=16, qkv_format="thd",
                                   attn_mask_type="padding_causal")
     model = torch.nn.ModuleDict({"attn": attn}).cuda()

@@ -428,6 +428,12 @@ def resolve_segments(batch: Mapping[str, Any], batch_size: int, seq_len: int,
     pos = batch.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.shape[0] == seq_len:
         pos = pos.unsqueeze(0)
+    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and (
+            pos.shape[1] != seq_len or pos.shape[0] not in (1, batch_size)):
+        raise CPBatchError(
+            f"batch['position_ids'] has shape {tuple(pos.shape)}, expected [B, S] = "
+            f"[{batch_size}, {seq_len}] (or [1, S])"
+        )
     restarts = position_ids_restart(pos)
     if parsed:
         if restarts:

@@ -207,14 +207,17 @@ class ConformanceSuite:
         return (cls.__module__, getattr(sys.modules.get(cls.__module__), "__file__", None),
                 cls.__qualname__)
 
+    @pytest.mark.multirank
     def test_gather_round_trip_multirank(self, cp_rank_pool: RankPool, parity_cp: int) -> None:
         """Real gloo: gather_token_tensor(shard_token_tensor(x), trim=True) == x."""
         cp_rank_pool.run(_rank_round_trip, self._ref(), parity_cp)
 
+    @pytest.mark.multirank
     def test_gradient_routing_multirank(self, cp_rank_pool: RankPool, parity_cp: int) -> None:
         """Real gloo: the gradient of gather(shard(x)) reaches x on the rank owning each token."""
         cp_rank_pool.run(_rank_gradient_routing, self._ref(), parity_cp)
 
+    @pytest.mark.multirank
     def test_training_step_parity(self, cp_rank_pool: RankPool, parity_cp: int) -> None:
         """Real gloo: one training step at CP=parity_cp equals CP=1 (loss and every grad)."""
         reports = cp_rank_pool.run(_rank_parity, self._ref(), parity_cp)

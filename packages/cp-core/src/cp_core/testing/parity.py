@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from cp_core.testing.multirank import collective_timeout
 from torch import nn
 
 from cp_core.mesh import cp_group, cp_size
@@ -171,7 +173,7 @@ def cp_subgroup(cp: int) -> Any:
     if cp == world:
         return dist.group.WORLD
     if cp not in _SUBGROUPS:
-        _SUBGROUPS[cp], _ = dist.new_subgroups(group_size=cp)
+        _SUBGROUPS[cp], _ = dist.new_subgroups(group_size=cp, timeout=collective_timeout())
     return _SUBGROUPS[cp]
 
 
