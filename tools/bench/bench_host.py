@@ -76,8 +76,8 @@ def time_peers(specs: list[dict[str, Any]], out_dir: Path, repeats: int, warmup:
     """Create the peer venvs and time every peer case: ``({(case, shape): timing}, notes, info)``."""
     from peer_env import PEERS, ensure_venv, run_peer
 
-    root = out_dir / "peer_venvs"
-    spec_file = out_dir / "host_batch_specs.json"
+    root = (out_dir / "peer_venvs").resolve()
+    spec_file = (out_dir / "host_batch_specs.json").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(json.dumps(specs))
     timings: dict[tuple[str, str], dict[str, Any]] = {}

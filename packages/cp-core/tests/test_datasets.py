@@ -26,7 +26,6 @@ def test_shipped_histogram_is_the_published_one() -> None:
     assert len(h.count) == 14
     assert (h.low[1], h.high[1], int(h.count[1])) == (11, 50, 391188)
     assert h.low[0] == 1  # the "[0, 10]" bin never yields an empty document
-    assert (DEFAULT_HISTOGRAM_PATH.parent / "README.md").is_file()
 
 
 def test_rows_are_full_capped_and_seeded() -> None:
@@ -76,4 +75,6 @@ def test_bad_inputs_raise(tmp_path: Path) -> None:
     good = tmp_path / "two.csv"
     good.write_text('range,number\n"[5, 5]",1\n"[7, 7]",0\n')
     rng = np.random.default_rng(0)
-    assert sample_document_lengths(rng, 12, cap=100, histogram=load_length_histogram(good)) == [5, 5, 2]  # bins "[5, 5]" only: 5 + 5, then the cut 2
+    # Only the "[5, 5]" bin has documents: 5 + 5, then the last one cut to 2.
+    hist = load_length_histogram(good)
+    assert sample_document_lengths(rng, 12, cap=100, histogram=hist) == [5, 5, 2]

@@ -42,7 +42,8 @@ def _per_document_step(model: ReferenceDecoder, batch: dict) -> StepResult:
             start += n
     loss = total / count
     loss.backward()
-    return StepResult(float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()})
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return StepResult(float(loss.detach()), grads)
 
 
 def test_identity_reference_equals_documents_run_alone() -> None:

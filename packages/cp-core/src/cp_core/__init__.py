@@ -27,7 +27,9 @@ from cp_core.framework import (
     shard_sequence_for_cp_contiguous,
     shard_sequence_for_cp_round_robin,
 )
+from cp_core.datasets import load_length_histogram, make_packed_batch, packed_rows, sample_document_lengths
 from cp_core.grads import allreduce_gradients
+from cp_core.labels import shift_labels, with_shifted_labels
 from cp_core.layout import (
     ShardLayout,
     contiguous_local_indices,
@@ -66,6 +68,12 @@ __all__ = [
     "cp_cross_entropy",
     "count_label_tokens",
     "allreduce_gradients",
+    "shift_labels",
+    "with_shifted_labels",
+    "packed_rows",
+    "make_packed_batch",
+    "sample_document_lengths",
+    "load_length_histogram",
     "CPError",
     "CPBatchError",
     "CPConfigError",

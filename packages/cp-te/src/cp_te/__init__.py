@@ -6,8 +6,9 @@ Hydra (``cp=te_thd``). The building blocks are importable on their own: boundary
 layout (:mod:`cp_te.stream`).
 """
 
+from cp_core.boundaries import Segments, resolve_segments
+
 from cp_te.backend import BACKEND, TeThdConfig
-from cp_te.boundaries import Segments, resolve_segments
 from cp_te.partition import (
     partitioned_indices,
     partitioned_indices_all_ranks,

@@ -22,12 +22,12 @@ import torch
 
 from cp_core.attention.plan import AttentionKind, DocumentMask
 from cp_core.batch import normalize_batch, pad_value_for, resolve_primary
+from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments, resolve_segments
 from cp_core.errors import CPBatchError
 from cp_core.framework import make_plan, make_transport_ctx
 from cp_core.layout import ShardLayout
 from cp_core.mesh import cp_rank, cp_size
-from cp_core.padding import per_chunk_multiple, round_robin_divisor
-from cp_te.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments, resolve_segments
+from cp_core.padding import per_chunk_multiple
 from cp_te.partition import partitioned_indices_all_ranks
 from cp_te.stream import ThdStream
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
@@ -103,7 +103,9 @@ def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: 
 def plan_stream(segments: Segments, cp: int, chunk_multiple: int = 1
                 ) -> tuple[ThdStream, torch.Tensor]:
     """The padded stream of ``segments`` and every rank's partition ``[cp, T/cp]``."""
-    stream = ThdStream.build(segments, round_robin_divisor(cp, chunk_multiple))
+    # Every document is cut into 2*cp chunks, even at CP size 1 (TE's THD contract), so the
+    # per-document divisor is 2*cp times the per-chunk multiple.
+    stream = ThdStream.build(segments, 2 * cp * chunk_multiple)
     return stream, partitioned_indices_all_ranks(stream.cu_seqlens_padded(), cp)
 
 

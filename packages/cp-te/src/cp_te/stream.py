@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_te.boundaries import Segments
+from cp_core.boundaries import Segments
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""Smoke test of the benchmark scripts: each runs on a tiny case and writes sensible JSON.
+
+One ``tools/bench/run.py all --quick`` run (no ``--peers``: no virtual environment is
+created) feeds every check. Nothing here times anything: the checks are about the shape of
+the results and about facts that do not depend on speed (collective counts and bytes of the
+two gather designs, identical losses across CP sizes, balance ratios >= 1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "tools" / "bench" / "run.py"
+BENCHMARKS = ("balance", "host", "gather", "transport")
+COMMON_KEYS = {"benchmark", "command", "machine", "settings", "columns", "rows", "notes"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Run every benchmark once in quick mode; their JSON records by name."""
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, str(RUN), "all", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, f"run.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert not (out / "peer_venvs").exists(), "the smoke run must not create peer venvs"
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHMARKS}
+
+
+def _ok_rows(result: dict) -> list[dict]:
+    rows = [r for r in result["rows"] if "error" not in r]
+    assert rows, f"{result['benchmark']}: every row failed: {result['rows']}"
+    return rows
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_common_fields(results: dict[str, dict], name: str) -> None:
+    res = results[name]
+    assert COMMON_KEYS <= set(res), f"missing keys {COMMON_KEYS - set(res)}"
+    assert res["benchmark"] == name
+    assert res["settings"]["quick"] is True
+    assert {"cpu", "cores", "torch", "python"} <= set(res["machine"])
+
+
+def test_balance_fields(results: dict[str, dict]) -> None:
+    rows = _ok_rows(results["balance"])
+    backends = {r["backend"] for r in rows}
+    # The two baselines always exist; identity only exists at CP size 1 and is left out.
+    assert {"contiguous", "round_robin"} <= backends and "identity" not in backends
+    for r in rows:
+        for key in ("work_mean", "work_p95", "work_worst", "tokens_mean", "tokens_worst"):
+            assert r[key] >= 1.0 - 1e-9, (r["backend"], key, r[key])  # max/mean >= 1
+        assert r["work_mean"] <= r["work_worst"] + 1e-12
+        assert r["pad_pct"] >= 0 and r["rows"] >= 1
+    # The framework layouts pad these rows (a multiple of 2*cp long) by nothing.
+    for r in rows:
+        if r["backend"] in ("contiguous", "round_robin"):
+            assert r["pad_pct"] == 0 and r["tokens_worst"] == 1.0
+
+
+def test_host_fields(results: dict[str, dict]) -> None:
+    res = results["host"]
+    rows = _ok_rows(res)
+    assert res["settings"]["cp"] == 8 and res["settings"]["peers"] is False
+    shapes = set(res["settings"]["shapes"])
+    assert {r["shape"] for r in rows} == shapes
+    for r in rows:
+        assert r["ms"] > 0 and r["timing"]["repeats"] >= 1
+        assert len(r["timing"]["input_ids"][0]) == 2  # a [B, S_local] shard was produced
+
+
+def test_gather_fields(results: dict[str, dict]) -> None:
+    rows = _ok_rows(results["gather"])
+    by_key: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["backend"], r["batch"]), {})[r["design"]] = r
+    assert by_key
+    for (backend, batch), designs in by_key.items():
+        ours, indexed = designs["ours (data only)"], designs["+ int64 index per token"]
+        n_values = 1
+        for d in ours["local_shape"]:
+            n_values *= d
+        n_local = ours["local_shape"][-1] if len(ours["local_shape"]) > 1 else n_values
+        # Independent expectation: the data is n_values fp32 values in one collective; the
+        # index design adds one all-gather of n_local int64 indices.
+        assert ours["collectives"] == 1, (backend, batch, ours)
+        assert ours["bytes"] == 4 * n_values, (backend, batch, ours)
+        assert indexed["collectives"] == 2, (backend, batch, indexed)
+        assert indexed["bytes"] == 4 * n_values + 8 * n_local, (backend, batch, indexed)
+
+
+def test_transport_fields(results: dict[str, dict]) -> None:
+    res = results["transport"]
+    rows = _ok_rows(res)
+    assert [r["cp"] for r in rows] == res["settings"]["cp"]
+    losses = [r["loss"] for r in rows]
+    # Same batch, same model: the CP loss must not depend on the CP size.
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    for r in rows:
+        assert r["peak_mb"] > 0 and r["step_s"] > 0
+        assert r["local_tokens"] * r["cp"] >= r["tokens"]
