@@ -26,7 +26,7 @@ from cp_core.cli.plan import (
 )
 from cp_core.datasets import make_packed_batch
 from cp_core.errors import CPConfigError
-from cp_core.planning import attention_work, plan_layout
+from cp_core.planning import attention_work
 
 REPO = Path(__file__).resolve().parents[1]
 CP_PLAN = str(Path(sys.executable).with_name("cp-plan"))

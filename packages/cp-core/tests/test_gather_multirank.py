@@ -10,6 +10,8 @@ from cp_core.comm import count_collectives
 from cp_core.registry import build_sharder
 from cp_core.testing.multirank import RankPool, collective_timeout
 
+pytestmark = pytest.mark.multirank
+
 BACKENDS = ["round_robin", "contiguous", "aux_only"]
 
 

@@ -4,7 +4,9 @@ Order of preference (the reference design's): ``_packed_seq_ids`` (1-based id pe
 0 == pad); else the diagonal blocks of a 4-D block-causal ``attention_mask [B, 1, S, S]``
 (checked to be exactly block-causal); else a 2-D ``attention_mask [B, S]`` (a validity mask,
 or an indexed mask whose values are 1-based document ids); else one document per row.
-``position_ids`` are RoPE positions only here: they never define documents.
+``position_ids`` are RoPE positions only here: they never define documents. The checks of
+``_packed_seq_ids`` and the document positions (:func:`positions_in_document`, measured from
+a document's first token so pad holes keep it right) are cp-core's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_core.documents import validate_document_ids
+from cp_core.documents import document_positions as positions_in_document
+from cp_core.documents import packed_seq_ids, validate_document_ids
 from cp_core.errors import CPBatchError
 
 
@@ -102,13 +105,7 @@ def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int
     ids = batch.get("_packed_seq_ids")
     mask = batch.get("attention_mask")
     if ids is not None:
-        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (batch_size, seq_len):
-            raise CPBatchError(
-                f"batch['_packed_seq_ids'] has shape {_shape(ids)}, expected [B, S] = "
-                f"[{batch_size}, {seq_len}]"
-            )
-        validate_document_ids(ids)
-        out, source = ids.to(device=device, dtype=torch.long), "_packed_seq_ids"
+        out, source = packed_seq_ids(ids, batch_size, seq_len, device), "_packed_seq_ids"
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             out = out.masked_fill(mask.to(device) == 0, 0)
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
@@ -143,21 +140,6 @@ def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int
             )
         out = out.masked_fill(pad.to(device=device, dtype=torch.bool), 0)
     return out, source
-
-
-def positions_in_document(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Offset of every token from its document's first token (``[B, S]``).
-
-    Unlike a run-based count this stays right when pad slots interrupt a document: the offset
-    is measured from the first token carrying the same id. Pad tokens (id 0) get offsets from
-    the first pad slot; they are never attended.
-    """
-    bsz, seq = doc_ids.shape
-    ar = torch.arange(seq, device=doc_ids.device).expand(bsz, seq)
-    n_ids = int(doc_ids.max()) + 1 if doc_ids.numel() else 1
-    first = torch.full((bsz, n_ids), seq, dtype=torch.long, device=doc_ids.device)
-    first = first.scatter_reduce(1, doc_ids, ar.contiguous(), reduce="amin")
-    return ar - first.gather(1, doc_ids)
 
 
 __all__ = [

@@ -368,6 +368,28 @@ def _segments_from_flat_cu(pos: torch.Tensor, real: torch.Tensor | None, pos_key
     return Segments(row, length, span, batch_size, seq_len, "cu_seqlens")
 
 
+def _spans_from_starts(start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row, span, seg)`` of the segments a ``[B, S]`` start mask opens (True at column 0).
+
+    ``seg`` is the segment of every token in the flattened stream.
+    """
+    flat = start.reshape(-1)
+    seg = flat.long().cumsum(0) - 1
+    span = torch.bincount(seg, minlength=int(seg[-1]) + 1)
+    row = flat.nonzero()[:, 0] // start.shape[1]
+    return row, span, seg
+
+
+def _token_offsets(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seg_of, offset)`` of every stream token: its segment and its offset in that segment."""
+    b, s = segs.batch_size, segs.seq_len
+    device = segs.span.device
+    seg_of = torch.repeat_interleave(torch.arange(segs.num_segments, device=device), segs.span,
+                                     output_size=b * s)
+    start = torch.cumsum(segs.span, 0) - segs.span
+    return seg_of, torch.arange(b * s, device=device) - start[seg_of]
+
+
 def segments_from_packed_seq_ids(ids: Any, batch_size: int, seq_len: int,
                                  device: torch.device) -> Segments:
     """Segments from ``_packed_seq_ids`` ``[B, S]`` (1-based per row, 0 for pad)."""
@@ -394,12 +416,9 @@ def segments_from_packed_seq_ids(ids: Any, batch_size: int, seq_len: int,
             f"{_preview(torch.unique_consecutive(ids[row]))}: expected contiguous runs 1, 2, 3, "
             "... (each document one run, in order; 0 only for pad)"
         )
-    flat_start = start.reshape(-1)
-    seg = flat_start.long().cumsum(0) - 1
-    n = int(seg[-1]) + 1
-    span = torch.bincount(seg, minlength=n)
-    length = torch.bincount(seg, weights=(ids.reshape(-1) > 0).double(), minlength=n).long()
-    row = flat_start.nonzero()[:, 0] // seq_len
+    row, span, seg = _spans_from_starts(start)
+    length = torch.bincount(seg, weights=(ids.reshape(-1) > 0).double(),
+                            minlength=span.numel()).long()
     return Segments(row, length, span, batch_size, seq_len, key)
 
 
@@ -436,20 +455,14 @@ def segments_from_position_ids(pos: torch.Tensor, batch_size: int, seq_len: int,
             f"token {col}: packed position_ids must count up by 1 within a document and restart "
             "at 0 for the next"
         )
-    flat = restart.reshape(-1)
-    seg = flat.long().cumsum(0) - 1
-    span = torch.bincount(seg, minlength=int(seg[-1]) + 1)
-    row = flat.nonzero()[:, 0] // seq_len
+    row, span, _ = _spans_from_starts(restart)
     return Segments(row, span.clone(), span, batch_size, seq_len, key)
 
 
 def _check_positions_agree(pos: torch.Tensor, segs: Segments) -> None:
     """Restarting position_ids next to an explicit source must restart exactly at its documents."""
     b, s = segs.batch_size, segs.seq_len
-    caller_start = torch.cumsum(segs.span, 0) - segs.span
-    seg_of = torch.repeat_interleave(torch.arange(segs.num_segments, device=pos.device), segs.span,
-                                     output_size=b * s)
-    offset = torch.arange(b * s, device=pos.device) - caller_start[seg_of]
+    seg_of, offset = _token_offsets(segs)
     real = offset < segs.length[seg_of]
     restart = _restart_mask(pos.expand(b, s)).reshape(-1)
     clash = real & (restart != (offset == 0))
@@ -535,7 +548,6 @@ def segment_document_ids(segs: Segments) -> torch.Tensor:
 
     Pad-only segments (length 0) take no id, as in ``_packed_seq_ids``.
     """
-    b, s = segs.batch_size, segs.seq_len
     device = segs.span.device
     n = segs.num_segments
     real = segs.length > 0
@@ -547,11 +559,9 @@ def segment_document_ids(segs: Segments) -> torch.Tensor:
     base = (running - real.long())[first_of_row]
     row_start = first_of_row.long().cumsum(0) - 1
     doc = torch.where(real, running - base[row_start], torch.zeros_like(running))
-    seg_of = torch.repeat_interleave(torch.arange(n, device=device), segs.span, output_size=b * s)
-    start = torch.cumsum(segs.span, 0) - segs.span
-    offset = torch.arange(b * s, device=device) - start[seg_of]
+    seg_of, offset = _token_offsets(segs)
     ids = torch.where(offset < segs.length[seg_of], doc[seg_of], torch.zeros_like(offset))
-    return ids.view(b, s)
+    return ids.view(segs.batch_size, segs.seq_len)
 
 
 __all__ = [

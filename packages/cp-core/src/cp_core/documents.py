@@ -2,7 +2,11 @@
 
 A packed row holds several documents; attention is causal within each. Documents come from
 ``_packed_seq_ids`` (1-based id per token, 0 for pad), else ``position_ids`` that restart at 0,
-else the row is one document. ``padding_mask`` (True == pad) zeroes the ids of pad tokens.
+else the row is one document. ``padding_mask`` (True == pad) zeroes the ids of pad tokens, so
+a document may have pad holes; its tokens still share one id and one run of positions.
+
+The boundary keys of the THD convention (``seq_lens``, ``cu_seqlens`` and their padded forms)
+are parsed by :mod:`cp_core.boundaries`.
 """
 
 from __future__ import annotations
@@ -47,13 +51,25 @@ def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(1) + 1
 
 
+def packed_seq_ids(ids: Any, batch_size: int, seq_len: int, device: torch.device
+                   ) -> torch.Tensor:
+    """``_packed_seq_ids`` checked (shape ``[B, S]``, contiguous 1-based runs) as int64."""
+    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (batch_size, seq_len):
+        found = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise CPBatchError(
+            f"batch['_packed_seq_ids'] has shape {found}, expected [B, S] = "
+            f"[{batch_size}, {seq_len}]"
+        )
+    validate_document_ids(ids)
+    return ids.to(device=device, dtype=torch.long)
+
+
 def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int,
                          device: torch.device) -> torch.Tensor:
     """Document id of every token ``[B, S]`` (int64, 1-based, 0 == pad) from a normalised batch."""
     ids = batch.get("_packed_seq_ids")
     if ids is not None:
-        validate_document_ids(ids)
-        ids = ids.to(device=device, dtype=torch.long)
+        ids = packed_seq_ids(ids, batch_size, seq_len, device)
     else:
         pos = batch.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 2:
@@ -67,18 +83,26 @@ def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Position of every token within its document (``[B, S]``; pad tokens count on too)."""
+    """Offset of every token from its document's first token (``[B, S]``).
+
+    Measured from the first token carrying the same id, not from the start of a run, so it
+    stays right when pad slots interrupt a document: the tokens after a hole keep counting
+    (restarting there would let a query see later keys of its own document as if earlier).
+    Pad tokens (id 0) get offsets from the row's first pad slot; they are never attended.
+    Ids are contiguous runs in order (:func:`validate_document_ids`), so first == run start.
+    """
     bsz, seq = doc_ids.shape
     ar = torch.arange(seq, device=doc_ids.device).expand(bsz, seq)
-    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
-    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start = torch.where(is_start, ar, torch.zeros_like(ar)).cummax(dim=1).values
-    return ar - start
+    n_ids = int(doc_ids.max()) + 1 if doc_ids.numel() else 1
+    first = torch.full((bsz, n_ids), seq, dtype=torch.long, device=doc_ids.device)
+    first = first.scatter_reduce(1, doc_ids, ar.contiguous(), reduce="amin")
+    return ar - first.gather(1, doc_ids)
 
 
 __all__ = [
     "validate_document_ids",
     "document_ids_from_position_ids",
+    "packed_seq_ids",
     "resolve_document_ids",
     "document_positions",
 ]
