@@ -9,13 +9,15 @@ cross-entropy, backward, gradient all-reduce.
 Memory (``peak_mb``): during each timed step a thread samples the resident set
 (``/proc/self/statm``) every millisecond; the step's peak minus the resident set just before
 it is what the step allocated on top of the model and batch (activations, attention blocks,
-gathered K/V, gradients). Large tensors are mmap-backed and returned to the OS when freed, so
-the resident set follows live tensor memory. ``first_step_mb`` is the kernel's peak
-(``getrusage(...).ru_maxrss``) after the first step minus the resident set before it, in fresh
-processes per CP size: the same figure plus one-time allocations (thread pools, gloo
-buffers, autograd engine). Time: median of ``repeats`` steps after the first (warm-up) step;
-with 2 cores, ranks beyond 2 share cores, so the wall time at cp=4 is not a speed-up
-measurement.
+gathered K/V, gradients). The workers fix glibc's mmap threshold at 64 KiB
+(:func:`_mmap_large_allocations`), so every tensor above that is mmap-backed and returned to
+the OS when freed, and the resident set follows live tensor memory. ``first_step_mb`` is the
+kernel's peak (``getrusage(...).ru_maxrss``) after the first step minus the resident set
+before it, in fresh processes per CP size: the same figure plus one-time allocations.
+
+Time: median of ``repeats`` steps after the first (warm-up) step, one thread per rank. The
+fixed mmap threshold adds page-fault time to every step, and with 2 cores ranks beyond 2
+share cores, so ``step_s`` is not a speed-up measurement.
 """
 
 from __future__ import annotations
@@ -67,8 +69,26 @@ class _PeakSampler:
         self.peak = max(self.peak, _rss_bytes())
 
 
+def _mmap_large_allocations(threshold: int = 1 << 16) -> bool:
+    """Make glibc serve every allocation above ``threshold`` bytes with its own mmap.
+
+    By default glibc raises its mmap threshold after large frees (up to 32 MiB), so freed
+    tensors stay in the heap and the resident set stops following live memory. A fixed
+    threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns the dynamic rule off) returns
+    every freed tensor to the OS at once. Returns False where glibc is not there.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3  # from glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
 def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, seed: int,
-                   model_kwargs: dict[str, Any]) -> dict[str, Any]:
+                   model_kwargs: dict[str, Any], budget_mb: float) -> dict[str, Any]:
     """Runs on every rank: one measured step (memory), then ``repeats`` timed steps."""
     import sys
     from pathlib import Path
@@ -83,11 +103,12 @@ def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, 
 
     from backends import make_sharder
 
+    mmapped = _mmap_large_allocations()
     torch.manual_seed(seed)
     model = ReferenceDecoder(ReferenceModelConfig(**model_kwargs))
     batch = make_packed_batch(packed_rows(1, tokens, seed), vocab=model.cfg.vocab_size,
                               seed=seed)
-    sharder = make_sharder(name, world, dist.group.WORLD)
+    sharder = make_sharder(name, world, dist.group.WORLD, attn_block_budget_mb=budget_mb)
     before_rss, before_max = _rss_bytes(), _maxrss_bytes()
     first = training_step(model, sharder, batch)
     peak = _maxrss_bytes()
@@ -103,19 +124,27 @@ def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, 
     return {"peak_delta_bytes": steady, "first_step_delta_bytes": peak - before_rss,
             "rss_before_bytes": before_rss,
             "maxrss_before_bytes": before_max, "step_s": statistics.median(times),
-            "first_step_loss": first.loss, "local_tokens": first.local_tokens}
+            "first_step_loss": first.loss, "local_tokens": first.local_tokens,
+            "mmap_threshold_fixed": mmapped}
 
 
 def run_transport(*, quick: bool = False, seed: int = 7,
-                  backends: tuple[str, ...] = ("round_robin",)) -> dict[str, Any]:
-    """Measure every CP size in fresh gloo processes; the result record."""
+                  backends: tuple[str, ...] = ("round_robin",), budget_mb: float = 8.0
+                  ) -> dict[str, Any]:
+    """Measure every CP size in fresh gloo processes; the result record.
+
+    ``budget_mb`` is the transport's score-block budget (``cp.attn_block_budget_mb``). The
+    blocks are a fixed cost per rank whatever the CP size, so a budget well below the
+    activations (8 MiB here, against the 64 MiB default) lets the table show how the
+    activations scale with CP.
+    """
     from cp_core.testing.multirank import RankPool
 
     from report import make_result
 
     tokens = 1024 if quick else 16384
     cps = [1, 2] if quick else [1, 2, 4]
-    repeats = 2 if quick else 3
+    repeats = 2
     model_kwargs: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2,
                                     "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
     rows: list[dict[str, Any]] = []
@@ -125,7 +154,8 @@ def run_transport(*, quick: bool = False, seed: int = 7,
         for cp in cps:
             try:
                 with RankPool(cp, run_timeout_s=900.0) as pool:
-                    per_rank = pool.run(transport_case, name, tokens, repeats, seed, model_kwargs)
+                    per_rank = pool.run(transport_case, name, tokens, repeats, seed, model_kwargs,
+                                        budget_mb)
             except Exception as exc:
                 rows.append({"backend": name, "cp": cp, "error": str(exc)[-500:]})
                 notes.append(f"{name} at cp={cp} failed: {str(exc)[-300:]}")
@@ -154,6 +184,7 @@ def run_transport(*, quick: bool = False, seed: int = 7,
                  "across cp (same batch, same model)")
     settings = {"tokens": tokens, "cp": cps, "repeats": repeats, "warmup": 1, "seed": seed,
                 "model": model_kwargs, "backends": list(backends), "quick": quick,
+                "attn_block_budget_mb": budget_mb,
                 "process_group": "gloo"}
     return make_result("transport", settings, rows, COLUMNS, notes)
 

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"folder of the JSON results (default {DEFAULT_OUT}/)")
     parser.add_argument("--peers", action="store_true",
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
+    parser.add_argument("--transport-budget-mb", type=float, default=8.0,
+                        help="transport: the attention score-block budget (cp.attn_block_budget_mb)")
     args = parser.parse_args(argv)
     names = BENCHMARKS if args.which == "all" else (args.which,)
     # One intra-op thread: on a small shared machine OpenMP's spinning worker threads turn
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs: dict[str, Any] = {"quick": args.quick}
         if name == "host":
             kwargs.update(peers=args.peers, out_dir=args.out)
+        if name == "transport":
+            kwargs.update(budget_mb=args.transport_budget_mb)
         try:
             result = _runner(name)(**kwargs)
         except Exception as exc:  # one broken benchmark must not hide the others

@@ -1,16 +1,17 @@
 """Document boundaries of a packed ``[B, S]`` batch, from whichever key the caller provides.
 
 The one parser of the boundary keys for every backend that reads them (cp-te's THD layout,
-cp-magi's document masks). A packed row is tiled by *segments*: one document's real tokens followed by the pad the caller
-put after it (``span = length + caller pad``). The segments of every row, in row-major order,
-are the unit the THD layout pads and splits. Boundaries come from exactly one of:
+cp-magi's document masks). A packed row is tiled by *segments*: one document's real tokens
+followed by the pad the caller put after it (``span = length + caller pad``). The segments of
+every row, in row-major order, are the unit the THD layout pads and splits. Boundaries come
+from exactly one of:
 
 * ``seq_lens`` (+ optional ``seq_lens_padded``): per-row lengths ``[B, D]`` padded with a
   sentinel (default -1000); the padded lengths of a row must add up to ``S``;
 * ``cu_seqlens`` / ``cu_seqlens_padded``: cumulative boundaries, per row ``[B, D+1]`` (sentinel
   padded, each row ``0 ... S``) or flat ``[N+1]`` over the ``B*S`` stream (``0 ... B*S``, every
-  row start a boundary, so no document crosses a row). With both, ``cu_seqlens_padded`` places the documents and
-  ``cu_seqlens`` gives their real lengths (TransformerEngine's convention);
+  row start a boundary, so no document crosses a row). With both, ``cu_seqlens_padded`` places
+  the documents and ``cu_seqlens`` gives their real lengths (TransformerEngine's convention);
 * ``_packed_seq_ids``: a 1-based document id per token, 0 for pad (pad after a document belongs
   to its span; pad at the start of a row is a pad-only segment);
 * ``position_ids`` ``[B, S]`` that restart at 0 for each document (used only when they restart
@@ -102,7 +103,7 @@ def _is_sentinel(t: torch.Tensor, sentinel: int | None) -> torch.Tensor:
 
 def _to_int_tensor(value: Any, key: str, device: torch.device, sentinel: int | None
                    ) -> torch.Tensor:
-    """A tensor of ints from a tensor, a list of ints or a ragged list of lists (sentinel padded)."""
+    """Int64 tensor from a tensor, a list of ints or a ragged list of lists (sentinel padded)."""
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise CPBatchError(f"batch[{key!r}] must hold integers, got dtype {value.dtype}")
@@ -216,7 +217,7 @@ def _segments_from_lengths(real: torch.Tensor, span: torch.Tensor, valid: torch.
 def segments_from_seq_lens(batch: Mapping[str, Any], batch_size: int, seq_len: int,
                            device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
                            trailing_pad: bool = False) -> Segments:
-    """Segments from ``seq_lens`` and the optional ``seq_lens_padded`` (``[B, D]``, sentinel padded)."""
+    """Segments from ``seq_lens`` and optional ``seq_lens_padded`` (``[B, D]``, sentinel padded)."""
     if batch.get("seq_lens") is None:
         raise CPBatchError(
             "batch has 'seq_lens_padded' without 'seq_lens'; pass the real document lengths "
