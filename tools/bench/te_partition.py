@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from cp_core.datasets import load_length_histogram, packed_rows
-from cp_te.boundaries import Segments
+from cp_core.boundaries import Segments
 from cp_te.partition import partition_runs, partitioned_indices, partitioned_indices_all_ranks
 from cp_te.stream import ThdStream, sum_padded
 

@@ -10,7 +10,7 @@ import torch
 from cp_core import SimulatedCPMesh
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
-from cp_te.boundaries import resolve_segments
+from cp_core.boundaries import resolve_segments
 
 # Two rows of S=20: (real length, padded length) per document; the second row has pad after
 # its first document and at its end.

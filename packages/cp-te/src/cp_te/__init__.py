@@ -2,8 +2,8 @@
 
 Select it with the registry (``build_sharder({"backend": "te_thd", "size": cp}, cp_mesh)``) or
 Hydra (``cp=te_thd``). The building blocks are importable on their own: boundary parsing
-(:mod:`cp_te.boundaries`), the vectorized partition (:mod:`cp_te.partition`) and the stream
-layout (:mod:`cp_te.stream`).
+(:mod:`cp_core.boundaries`, shared with cp-magi), the vectorized partition
+(:mod:`cp_te.partition`) and the stream layout (:mod:`cp_te.stream`).
 """
 
 from cp_core.boundaries import Segments, resolve_segments

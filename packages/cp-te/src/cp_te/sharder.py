@@ -123,7 +123,7 @@ def shard_batch_thd(
 
     Document boundaries come from one of ``seq_lens``/``seq_lens_padded``,
     ``cu_seqlens``/``cu_seqlens_padded``, ``_packed_seq_ids`` or restarting ``position_ids``
-    (:mod:`cp_te.boundaries`). Each document (with the caller's pad after it) is padded to a
+    (:mod:`cp_core.boundaries`, shared with cp-magi). Each document (with the caller's pad after it) is padded to a
     multiple of ``2*cp`` (times the per-chunk multiple of ``pad_multiple``, ``block_size`` and
     the TP size under sequence parallelism), the rows are flattened into one stream and rank r
     keeps chunks r and ``2*cp-1-r`` of every document. Returns ``(ctx_factory, local_batch,
