@@ -34,7 +34,11 @@ from cp_core.errors import (
 )
 from cp_core.framework import shard_batch_contiguous, shard_batch_identity
 from cp_core.mesh import SimulatedCPMesh
-from cp_core.registry import Registry, available_backends, build_sharder, get_backend, use_registry
+from cp_core.registry import Registry, build_sharder, use_registry
+from cp_core.testing.multirank import load_module_file
+
+_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+loadable = _installed.loadable
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 FRAMEWORK = ("identity", "contiguous", "round_robin", "aux_only")
@@ -52,17 +56,6 @@ BUILTIN_OF: dict[type, type] = {
     CPBackendNotFoundError: KeyError,
     CPBackendLoadError: ImportError,
 }
-
-
-def loadable(name: str) -> bool:
-    """True when backend ``name`` is installed and imports."""
-    if name not in available_backends():
-        return False
-    try:
-        get_backend(name)
-    except CPError:
-        return False
-    return True
 
 
 # -- batches -------------------------------------------------------------------------------

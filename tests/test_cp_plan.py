@@ -27,9 +27,11 @@ from cp_core.cli.plan import (
 from cp_core.datasets import make_packed_batch
 from cp_core.errors import CPConfigError
 from cp_core.planning import attention_work
+from cp_core.testing.multirank import load_module_file
 
 REPO = Path(__file__).resolve().parents[1]
 CP_PLAN = str(Path(sys.executable).with_name("cp-plan"))
+_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
 
 
 def per_rank(cp: dict, docs: list) -> list[tuple[int, int, int]]:
@@ -230,20 +232,7 @@ def test_comparison_table_formats_missing_work() -> None:
     assert "n/a" in format_comparison([row])
 
 
-def _loadable_backends() -> list[str]:
-    from cp_core.registry import available_backends, get_backend
-
-    names = []
-    for name in available_backends():
-        try:
-            get_backend(name)
-        except Exception:  # a backend package still being written: the registry tests cover it
-            continue
-        names.append(name)
-    return names
-
-
-@pytest.mark.parametrize("backend", _loadable_backends())
+@pytest.mark.parametrize("backend", _installed.loadable_backends())
 def test_every_backend_conserves_the_total_work(backend: str) -> None:
     # However a layout deals the tokens, the pairs it must compute are the batch's: for causal
     # documents that is sum n(n+1)/2 over documents, independent of the backend and CP size.

@@ -15,6 +15,7 @@ The backends are taken from the registry, so a backend that is installed is test
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,22 +23,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cp_core.errors import CPError
 from cp_core.mesh import SimulatedCPMesh
-from cp_core.registry import available_backends, build_sharder, get_backend
+from cp_core.registry import build_sharder
+from cp_core.testing.multirank import load_module_file
+
+_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+loadable = _installed.loadable
 
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
-
-
-def loadable(name: str) -> bool:
-    """True when ``name`` is installed and imports."""
-    if name not in available_backends():
-        return False
-    try:
-        get_backend(name)
-    except CPError:
-        return False
-    return True
 
 
 @st.composite

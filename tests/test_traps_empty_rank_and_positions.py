@@ -15,6 +15,7 @@ document lengths.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,24 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_core.errors import CPBatchError, CPError
+from cp_core.errors import CPBatchError
 from cp_core.mesh import SimulatedCPMesh
-from cp_core.registry import available_backends, build_sharder, get_backend
-from cp_core.testing.multirank import RankPool
+from cp_core.registry import build_sharder
+from cp_core.testing.multirank import RankPool, load_module_file
+
+_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+loadable = _installed.loadable
 
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
 CP = 4
-
-
-def loadable(name: str) -> bool:
-    """True when ``name`` is installed and imports."""
-    if name not in available_backends():
-        return False
-    try:
-        get_backend(name)
-    except CPError:
-        return False
-    return True
 
 
 def cp_backends() -> list[str]:

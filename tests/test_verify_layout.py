@@ -10,6 +10,7 @@ compute different layouts from the same batch are caught too. The pure decision 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,46 +18,28 @@ import torch
 import torch.distributed as dist
 
 from cp_core.comm import count_collectives
-from cp_core.errors import CPError, CPLayoutError
+from cp_core.errors import CPLayoutError
 from cp_core.layout import ShardLayout
-from cp_core.registry import available_backends, build_sharder, get_backend
-from cp_core.testing.multirank import RankPool, collective_timeout
+from cp_core.registry import build_sharder
+from cp_core.testing.multirank import RankPool, load_module_file
+from cp_core.testing.parity import cp_subgroup
 from cp_core.verify import VECTOR_LEN, check_vectors, local_vector, tensor_fingerprint
 
 WORLD = 4
 TIMEOUT_S = 20.0
-_GROUPS: dict[int, Any] = {}
+
+_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
 
 
 def loadable_backends() -> list[str]:
     """Installed backends that import and shard at CP > 1 (identity is CP=1 only)."""
-    out = []
-    for name in available_backends():
-        try:
-            get_backend(name)
-        except CPError:
-            continue
-        if name != "identity":
-            out.append(name)
-    return out
+    return _installed.loadable_backends(exclude=("identity",))
 
 
 @pytest.fixture(scope="module")
 def pool():
     with RankPool(WORLD, collective_timeout_s=TIMEOUT_S) as p:
         yield p
-
-
-def cp_group(size: int) -> Any:
-    """This rank's group of ``size`` consecutive ranks, bounded by the test timeout.
-
-    ``new_subgroups`` defaults to torch's 30-minute timeout, not the pool's, so pass it.
-    """
-    if size == dist.get_world_size():
-        return dist.group.WORLD
-    if size not in _GROUPS:
-        _GROUPS[size], _ = dist.new_subgroups(group_size=size, timeout=collective_timeout())
-    return _GROUPS[size]
 
 
 def make_batch(seed: int = 0) -> dict[str, Any]:
@@ -85,7 +68,7 @@ def altered(kind: str) -> dict[str, Any]:
 
 
 def case_agree(rank: int, world: int, backend: str, size: int) -> dict[str, Any]:
-    group = cp_group(size)
+    group = cp_subgroup(size)
     s = build_sharder({"backend": backend, "size": size, "verify_layout": True}, group)
     with count_collectives() as stats:
         s.shard(make_batch())
@@ -94,7 +77,7 @@ def case_agree(rank: int, world: int, backend: str, size: int) -> dict[str, Any]
 
 def case_diverge(rank: int, world: int, backend: str, size: int, bad_ranks: list[int],
                  kind: str) -> str:
-    group = cp_group(size)
+    group = cp_subgroup(size)
     cp_rank = dist.get_rank(group)
     batch = altered(kind) if cp_rank in bad_ranks else make_batch()
     s = build_sharder({"backend": backend, "size": size, "verify_layout": True}, group)
@@ -108,7 +91,7 @@ def case_diverge(rank: int, world: int, backend: str, size: int, bad_ranks: list
 def case_layout_diverge(rank: int, world: int, backend: str) -> str:
     # Same batch on every rank, but CP rank 1 was configured with another pad multiple: the
     # layouts differ although the batches agree.
-    group = cp_group(2)
+    group = cp_subgroup(2)
     cp_rank = dist.get_rank(group)
     cfg = {"backend": backend, "size": 2, "verify_layout": True,
            "pad_multiple": 4 if cp_rank == 1 else 1}

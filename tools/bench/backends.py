@@ -32,7 +32,7 @@ def benchmark_backends(cp: int) -> tuple[list[str], dict[str, str]]:
 
 
 def make_sharder(name: str, cp: int, cp_mesh: Any = None, **config: Any) -> ContextParallelSharder:
-    """A sharder of backend ``name`` at CP size ``cp`` on ``cp_mesh`` (rank 0 simulated by default)."""
+    """A sharder of backend ``name`` at CP size ``cp`` (simulated rank 0 by default)."""
     mesh = cp_mesh if cp_mesh is not None else SimulatedCPMesh(0, cp)
     return build_sharder({"backend": name, "size": cp, **config}, mesh)
 

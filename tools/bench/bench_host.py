@@ -73,7 +73,10 @@ def time_ours(name: str, batch: dict[str, torch.Tensor], repeats: int, warmup: i
 
 def time_peers(specs: list[dict[str, Any]], out_dir: Path, repeats: int, warmup: int
                ) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str], dict[str, Any]]:
-    """Create the peer venvs and time every peer case: ``({(case, shape): timing}, notes, info)``."""
+    """Create the peer venvs and time every peer case.
+
+    Returns ``({(case, shape): timing}, notes, info)``.
+    """
     from peer_env import PEERS, ensure_venv, run_peer
 
     root = (out_dir / "peer_venvs").resolve()

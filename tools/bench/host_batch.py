@@ -21,7 +21,8 @@ def build_host_batch(doc_lens_per_row: Sequence[Sequence[int]], vocab: int, seed
     rows = [list(map(int, r)) for r in doc_lens_per_row]
     seq = sum(rows[0])
     if any(sum(r) != seq for r in rows):
-        raise ValueError(f"every row must hold the same number of tokens; got {[sum(r) for r in rows]}")
+        raise ValueError("every row must hold the same number of tokens; got "
+                         f"{[sum(r) for r in rows]}")
     bsz = len(rows)
     gen = torch.Generator().manual_seed(int(seed))
     input_ids = torch.randint(1, vocab, (bsz, seq), generator=gen, dtype=torch.long)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
     parser.add_argument("--transport-budget-mb", type=float, default=8.0,
-                        help="transport: the attention score-block budget (cp.attn_block_budget_mb)")
+                        help="transport: attention score-block budget (cp.attn_block_budget_mb)")
     args = parser.parse_args(argv)
     names = BENCHMARKS if args.which == "all" else (args.which,)
     # One intra-op thread: on a small shared machine OpenMP's spinning worker threads turn

@@ -223,8 +223,9 @@ def test_bad_primary_and_options_raise() -> None:
 # -- aux-only variant ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pad_multiple", [1, 4])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_aux_only_leaves_primary_full_and_synthesizes_seq_ids(cp: int) -> None:
+def test_aux_only_leaves_primary_full_and_synthesizes_seq_ids(cp: int, pad_multiple: int) -> None:
     from cp_core import shard_sequence_for_cp_contiguous
 
     ids = torch.randint(1, 50, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -234,11 +235,13 @@ def test_aux_only_leaves_primary_full_and_synthesizes_seq_ids(cp: int) -> None:
     batch = {"input_ids": ids, "labels": ids, "padding_mask": pad, "pixel_values": pixel}
     for r in range(cp):
         mesh = SimulatedCPMesh(r, cp)
-        _, local, layout = make_contiguous_aux_only_batch_and_ctx(mesh, None, batch)
+        _, local, layout = make_contiguous_aux_only_batch_and_ctx(mesh, None, batch,
+                                                                  pad_multiple=pad_multiple)
         assert local["input_ids"] is ids and local["pixel_values"] is pixel
         assert "_packed_seq_ids" not in batch
         # The model's in-forward slice lines up with the aux streams.
-        sliced, idx, padded = shard_sequence_for_cp_contiguous(mesh, ids, seq_dim=1)
+        sliced, idx, padded = shard_sequence_for_cp_contiguous(mesh, ids, seq_dim=1,
+                                                               pad_multiple=pad_multiple)
         assert padded == layout.padded_seq_len
         assert torch.equal(idx, layout.local_token_global_indices)
         full_seq_ids = torch.zeros(2, padded, dtype=torch.long)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 from pathlib import Path
 
@@ -15,21 +13,9 @@ from cp_core.attention.intercept import activate_plan, active_plan
 from cp_core.attention.plan import AttentionPlan, DocumentMask
 from cp_core.errors import CPAttentionError
 from cp_core.framework import shard_batch_identity
+from cp_core.testing.multirank import load_module_file
 
-
-def _load_reference():
-    name = "_cp_core_attention_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("attention_reference.py"))
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-ref = _load_reference()
+ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
 
 SEQ = 12
 ROWS = [[5, 4], [8]]  # row 0: two documents and 3 pad; row 1: one document and 4 pad

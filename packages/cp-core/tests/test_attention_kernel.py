@@ -7,9 +7,7 @@ global indices, as under CP.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,21 +16,9 @@ import torch
 from cp_core.attention.kernel import block_sizes, blocked_attention
 from cp_core.attention.plan import DocumentMask
 from cp_core.errors import CPAttentionError
+from cp_core.testing.multirank import load_module_file
 
-
-def _load_reference():
-    name = "_cp_core_attention_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("attention_reference.py"))
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-ref = _load_reference()
+ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
 
 SEQ = 24
 # Row 0: three packed documents and 3 pad tokens; row 1: two documents and 6 pad tokens.

@@ -9,40 +9,26 @@ identity sharder (CP=1) on the same batch in the same process.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_core.testing.multirank import RankPool, collective_timeout
+from cp_core.testing.multirank import RankPool, leading_group, load_module_file
+
+ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
 
 pytestmark = pytest.mark.multirank
 
 WORLD = 4
-_GROUPS: dict[int, Any] = {}
-
-
-def _group(size: int) -> Any:
-    """WORLD for 4 ranks, the sub-group {0, 1} for 2 (created once, by every rank)."""
-    if size == dist.get_world_size():
-        return dist.group.WORLD
-    if size not in _GROUPS:
-        _GROUPS[size] = dist.new_group(list(range(size)), timeout=collective_timeout())
-    return _GROUPS[size] if dist.get_rank() < size else None
 
 
 def _doc_batch(rows: list[list[int]], seq: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A packed batch: position_ids restart per document, attention_mask False on the pad."""
-    pos = torch.zeros(len(rows), seq, dtype=torch.long)
-    am = torch.zeros(len(rows), seq, dtype=torch.bool)
-    for b, lengths in enumerate(rows):
-        start = 0
-        for n in lengths:
-            pos[b, start:start + n] = torch.arange(n)
-            start += n
-        am[b, :start] = True
+    pos = ref.positions_from_lengths(rows, seq)
+    am = ref.doc_ids_from_lengths(rows, seq) > 0
     ids = torch.randint(1, 100, (len(rows), seq), generator=gen)
     return {"input_ids": ids, "position_ids": pos, "attention_mask": am,
             "labels": ids.masked_fill(~am, -100)}
@@ -88,7 +74,7 @@ def case_parity(rank: int, world: int, backend: str, size: int, kind: str,
                 hkv: int = 2, dtype: str = "float32", explicit_mask: bool = False,
                 budget_mb: float = 64.0, seed: int = 0) -> dict[str, Any] | None:
     """CP result vs identity (CP=1) on every participating rank; relative errors returned."""
-    group = _group(size)
+    group = leading_group(size)
     if group is None:
         return None
     gen = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cp_core.comm import count_collectives
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import RankPool, collective_timeout
+from cp_core.testing.multirank import RankPool, leading_group
 
 pytestmark = pytest.mark.multirank
 
@@ -21,12 +21,6 @@ def pool():
         yield p
 
 
-def _group(world: int, size: int):
-    # every rank must take part in new_group, members or not
-    sub = dist.new_group(list(range(size)), timeout=collective_timeout())
-    return sub if dist.get_rank() < size else None
-
-
 def _full_batch(seq: int) -> dict:
     g = torch.Generator().manual_seed(seq)
     return {"input_ids": torch.randint(1, 100, (2, seq), generator=g),
@@ -34,7 +28,7 @@ def _full_batch(seq: int) -> dict:
 
 
 def case_round_trip(rank: int, world: int, size: int) -> list:
-    group = _group(world, size)
+    group = leading_group(size)
     if group is None:
         return []
     results = []
@@ -65,7 +59,7 @@ def test_round_trip_and_data_only_gather(pool: RankPool, size: int) -> None:
 
 
 def case_gradient_routing(rank: int, world: int, size: int) -> list:
-    group = _group(world, size)
+    group = leading_group(size)
     if group is None:
         return []
     out = []

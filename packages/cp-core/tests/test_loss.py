@@ -17,7 +17,7 @@ from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.grads import allreduce_gradients
 from cp_core.loss import count_label_tokens, cp_cross_entropy
 from cp_core.mesh import SimulatedCPMesh
-from cp_core.testing.multirank import RankPool, collective_timeout
+from cp_core.testing.multirank import RankPool, leading_group
 
 VOCAB = 11
 
@@ -83,15 +83,6 @@ def test_bad_inputs():
 # -- real ranks -------------------------------------------------------------------------------
 
 WORLD = 4
-_GROUPS: dict[int, Any] = {}
-
-
-def _group(size: int) -> Any:
-    if size == dist.get_world_size():
-        return dist.group.WORLD
-    if size not in _GROUPS:
-        _GROUPS[size] = dist.new_group(list(range(size)), timeout=collective_timeout())
-    return _GROUPS[size] if dist.get_rank() < size else None
 
 
 def _split(seq: int, size: int, seed: int) -> list[torch.Tensor]:
@@ -105,7 +96,7 @@ def _split(seq: int, size: int, seed: int) -> list[torch.Tensor]:
 def case_cp_loss(rank: int, world: int, size: int, seed: int, empty_rank: int | None,
                  all_ignored: bool) -> dict[str, Any] | None:
     """CP loss of this rank's tokens vs the unsharded mean: value and summed gradients."""
-    group = _group(size)
+    group = leading_group(size)
     if group is None:
         return None
     logits, labels = _data(seed, seq=16)

@@ -150,7 +150,7 @@ def make_contiguous_aux_only_batch_and_ctx(
     are padded and sharded.
 
     The padded length matches :func:`cp_core.shard_sequence_for_cp_contiguous` with the same
-    per-rank ``pad_multiple`` (``cp * max(multiple, 2)``; no padding at CP size 1), so the
+    per-rank ``pad_multiple`` (``cp * max(multiple, 2)``; only the multiple at CP size 1), so the
     model's in-forward slice lines up with these streams. Arguments and return as
     :func:`make_blockdiag_batch_and_ctx`.
     """
@@ -158,8 +158,9 @@ def make_contiguous_aux_only_batch_and_ctx(
     nb, doc_ids, source = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=True)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
-    size = cp_size(cp_mesh)
-    divisor = 1 if size == 1 else contiguous_divisor(size, m)
+    # The same divisor as the in-forward slice, CP size 1 included (there it is the per-chunk
+    # multiple alone), or labels and logits would differ in length.
+    divisor = contiguous_divisor(cp_size(cp_mesh), m)
     out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, divisor,
                                    padding_token_id=padding_token_id, shard_primary=False,
                                    extra_pad_values=extra_pad_values)

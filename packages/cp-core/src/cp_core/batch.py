@@ -48,6 +48,9 @@ class NormalizedBatch:
     seq_len: int
     batch_size: int
     seq_dims: dict[str, int]
+    #: True when the caller gave no ``position_ids`` and they were left for the sharder to
+    #: write as the global positions of its own tokens (``materialize_positions=False``).
+    positions_implicit: bool = False
 
     @property
     def primary(self) -> torch.Tensor:
@@ -136,12 +139,16 @@ def normalize_batch(
     *,
     loss_mask: torch.Tensor | None = None,
     extra_seq_keys: Mapping[str, int] | None = None,
+    materialize_positions: bool = True,
 ) -> NormalizedBatch:
     """Validate a batch and return a normalised shallow copy.
 
     The copy has one primary stream, ``position_ids`` as ``[B, S]`` (or ``[3, B, S]``),
     ``padding_mask`` in place of a 2-D ``attention_mask``, ``loss_mask`` (from the argument)
     stored under its key, and every token-aligned key checked against ``[B, S]``.
+    ``materialize_positions=False`` leaves absent ``position_ids`` out (flagged by
+    ``positions_implicit``) for a sharder that writes its local positions directly instead of
+    building and slicing a full ``arange``.
     """
     if not isinstance(batch, Mapping):
         raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
@@ -158,9 +165,15 @@ def normalize_batch(
     convert_attention_mask_to_padding_mask(out)
     if loss_mask is not None:
         out["loss_mask"] = loss_mask
-    pos, pos_dim = normalize_position_ids(out.get("position_ids"), bsz, seq_len, primary.device)
-    out["position_ids"] = pos
-    seq_dims: dict[str, int] = {key: 1, "position_ids": pos_dim}
+    implicit = out.get("position_ids") is None and not materialize_positions
+    seq_dims: dict[str, int] = {key: 1}
+    if implicit:
+        out.pop("position_ids", None)
+    else:
+        pos, pos_dim = normalize_position_ids(out.get("position_ids"), bsz, seq_len,
+                                              primary.device)
+        out["position_ids"] = pos
+        seq_dims["position_ids"] = pos_dim
     for k in ("labels", "padding_mask", "loss_mask", "_packed_seq_ids"):
         if out.get(k) is None:
             out.pop(k, None)
@@ -193,7 +206,7 @@ def normalize_batch(
                 f"{seq_len} on dim {dim}"
             )
         seq_dims[k] = d
-    return NormalizedBatch(out, key, seq_len, bsz, seq_dims)
+    return NormalizedBatch(out, key, seq_len, bsz, seq_dims, implicit)
 
 
 def pad_value_for(key: str, tensor: torch.Tensor, padding_token_id: int,

@@ -6,10 +6,11 @@ are refused (``extra="forbid"``), so a typo in ``cp.pad_multple=4`` is an error,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cp_core.attention.plan import AttentionKind
 from cp_core.errors import CPConfigError
 from cp_core.mesh import cp_size
 
@@ -26,7 +27,7 @@ class CPBackendConfig(BaseModel):
     """CP size: ranks that share one sequence; must equal the size of the CP mesh."""
     padding_token_id: int = 0
     """Token id written into ``input_ids`` pad slots (layouts that pad with the pad token)."""
-    attention: Literal["causal", "bidirectional", "sliding_window", "chunked"] = "causal"
+    attention: AttentionKind = "causal"
     """Attention the model computes: causal (per document when packed), bidirectional,
     sliding_window (``window`` tokens) or chunked local attention (``chunk`` tokens)."""
     window: int | None = Field(None, ge=1)

@@ -24,19 +24,26 @@ def validate_document_ids(ids: torch.Tensor, key: str = "_packed_seq_ids") -> No
         raise CPBatchError(f"batch[{key!r}] must be an integer tensor, got {ids.dtype}")
     if (ids < 0).any():
         raise CPBatchError(f"batch[{key!r}] has negative document ids (min {int(ids.min())})")
-    # A document id must appear as one run and ids must increase by at most 1 at each change,
-    # skipping over pad (0) tokens.
-    for row in range(ids.shape[0]):
+    # Each document is one run and ids rise by at most 1 at each change, pad (0) skipped:
+    # compare every non-zero id with the previous non-zero id of its row (0 before the first),
+    # all rows at once.
+    if ids.numel() == 0:
+        return
+    ar = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    nz = ids > 0
+    last_nz = torch.where(nz, ar, torch.full_like(ar, -1)).cummax(dim=-1).values
+    prev_idx = torch.cat([torch.full_like(last_nz[..., :1], -1), last_nz[..., :-1]], dim=-1)
+    prev = torch.where(prev_idx >= 0, ids.gather(-1, prev_idx.clamp(min=0)),
+                       torch.zeros_like(ids))
+    step = ids - prev
+    bad = nz & ((step < 0) | (step > 1))
+    if bool(bad.any()):
+        row = int(bad.any(dim=-1).nonzero()[0, 0])
         r = ids[row]
-        r = r[r > 0]
-        if r.numel() == 0:
-            continue
-        step = r[1:] - r[:-1]
-        if int(r[0]) != 1 or bool((step < 0).any()) or bool((step > 1).any()):
-            raise CPBatchError(
-                f"batch[{key!r}] row {row} has document ids {_preview(r)} which are not "
-                "contiguous runs 1, 2, 3, ... (each document one run, in order)"
-            )
+        raise CPBatchError(
+            f"batch[{key!r}] row {row} has document ids {_preview(r[r > 0])} which are not "
+            "contiguous runs 1, 2, 3, ... (each document one run, in order)"
+        )
 
 
 def _preview(t: torch.Tensor, n: int = 12) -> str:
@@ -65,11 +72,15 @@ def packed_seq_ids(ids: Any, batch_size: int, seq_len: int, device: torch.device
 
 
 def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                         device: torch.device) -> torch.Tensor:
-    """Document id of every token ``[B, S]`` (int64, 1-based, 0 == pad) from a normalised batch."""
+                         device: torch.device, *, validate: bool = True) -> torch.Tensor:
+    """Document id of every token ``[B, S]`` (int64, 1-based, 0 == pad) from a normalised batch.
+
+    ``validate=False`` skips re-checking ``_packed_seq_ids`` the caller already checked.
+    """
     ids = batch.get("_packed_seq_ids")
     if ids is not None:
-        ids = packed_seq_ids(ids, batch_size, seq_len, device)
+        ids = (packed_seq_ids(ids, batch_size, seq_len, device) if validate
+               else ids.to(device=device, dtype=torch.long))
     else:
         pos = batch.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 2:

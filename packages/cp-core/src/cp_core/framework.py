@@ -22,7 +22,7 @@ from cp_core.batch import (
     pad_seq_dim,
     pad_value_for,
 )
-from cp_core.documents import document_positions, resolve_document_ids
+from cp_core.documents import document_positions, packed_seq_ids, resolve_document_ids
 from cp_core.errors import CPBatchError
 from cp_core.layout import (
     IndexFn,
@@ -40,24 +40,38 @@ CtxFactory = Callable[[], ContextManager[Any]]
 ShardResult = tuple[CtxFactory, dict[str, Any], ShardLayout]
 
 
-def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
-    """A zero-arg factory whose context routes SDPA calls through ``plan`` (null without one)."""
+def make_transport_ctx(plan: AttentionPlan | Callable[[], AttentionPlan] | None) -> CtxFactory:
+    """A zero-arg factory whose context routes SDPA calls through ``plan`` (null without one).
+
+    ``plan`` may be a zero-arg builder: the plan is then built when the context is first
+    entered and reused by later entries, so sharding a batch costs no attention planning
+    until attention actually runs (and none at all when it never does).
+    """
     if plan is None:
         return contextlib.nullcontext
+    get_plan = plan if not isinstance(plan, AttentionPlan) else (lambda: plan)
+    built: list[AttentionPlan] = []
 
     def factory() -> ContextManager[Any]:
         from cp_core.attention.intercept import activate_plan
 
-        return activate_plan(plan)
+        if not built:
+            built.append(get_plan())
+        return activate_plan(built[0])
 
     return factory
 
 
 def build_document_mask(nb: NormalizedBatch, padded_len: int, *, attention: AttentionKind,
-                        window: int | None, chunk: int | None) -> DocumentMask:
-    """Document ids/positions of the padded rows (pad slots are document 0)."""
+                        window: int | None, chunk: int | None,
+                        validated: bool = False) -> DocumentMask:
+    """Document ids/positions of the padded rows (pad slots are document 0).
+
+    ``validated=True``: ``_packed_seq_ids`` was already checked when the batch was sharded.
+    """
     device = nb.primary.device
-    ids = resolve_document_ids(nb.batch, nb.batch_size, nb.seq_len, device)
+    ids = resolve_document_ids(nb.batch, nb.batch_size, nb.seq_len, device,
+                               validate=not validated)
     ids = pad_seq_dim(ids, 1, padded_len - nb.seq_len, 0)
     return DocumentMask(ids, document_positions(ids), attention, window, chunk)
 
@@ -129,12 +143,15 @@ def shard_normalized(
     ranks, all_runs = _static_rank_indices(index_fn, size, padded_len, torch.device(device))
     local, runs = ranks[rank], all_runs[rank]
     out = dict(nb.batch)
+    # Keys the caller did not give are written for this rank's tokens directly (no full-length
+    # tensor to build, pad and slice): positions are the global indices, pad is what lies
+    # past the caller's length.
+    if nb.positions_implicit:
+        out["position_ids"] = local.unsqueeze(0).expand(nb.batch_size, -1).contiguous()
     if "padding_mask" not in out:
-        out["padding_mask"] = torch.zeros(nb.batch_size, nb.seq_len, dtype=torch.bool,
-                                          device=device)
-    seq_dims = dict(nb.seq_dims)
-    seq_dims["padding_mask"] = 1
-    for key, dim in seq_dims.items():
+        out["padding_mask"] = (local >= nb.seq_len).unsqueeze(0).expand(
+            nb.batch_size, -1).contiguous()
+    for key, dim in nb.seq_dims.items():
         if key == nb.primary_key and not shard_primary:
             continue
         t = out[key]
@@ -155,11 +172,19 @@ def shard_normalized(
 def _finish(nb: NormalizedBatch, cp_mesh: Any, out: dict[str, Any], layout: ShardLayout, *,
             attention: AttentionKind, window: int | None, chunk: int | None,
             transport: Callable | None, transport_options: Mapping[str, Any] | None) -> ShardResult:
-    mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len, attention=attention,
-                               window=window, chunk=chunk)
-    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
-                     options=transport_options)
-    return make_transport_ctx(plan), out, layout
+    if "_packed_seq_ids" in nb.batch:
+        # Bad document ids are bad input: refuse them now, not when attention first runs.
+        packed_seq_ids(nb.batch["_packed_seq_ids"], nb.batch_size, nb.seq_len,
+                       nb.primary.device)
+
+    def build_plan() -> AttentionPlan:
+        mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len,
+                                   attention=attention, window=window, chunk=chunk,
+                                   validated=True)
+        return make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
+                         options=transport_options)
+
+    return make_transport_ctx(build_plan), out, layout
 
 
 def shard_batch_identity(
@@ -179,7 +204,7 @@ def shard_batch_identity(
             f"the identity layout keeps every token on every rank; it needs CP size 1, "
             f"got {cp_size(cp_mesh)}"
         )
-    nb = normalize_batch(batch, loss_mask=loss_mask)
+    nb = normalize_batch(batch, loss_mask=loss_mask, materialize_positions=False)
     out, layout = shard_normalized(nb, None, identity_local_indices, 1,
                                    padding_token_id=padding_token_id)
     return _finish(nb, None, out, layout, attention=attention, window=window, chunk=chunk,
@@ -201,7 +226,8 @@ def shard_batch_contiguous(
     Needs ``labels`` or a ``loss_mask``. ``shard_primary=False`` leaves the primary stream full
     length for a model that slices it in its forward (:func:`shard_sequence_for_cp_contiguous`).
     """
-    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
+    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys,
+                         materialize_positions=False)
     if "labels" not in nb.batch and "loss_mask" not in nb.batch:
         raise CPBatchError(
             "the contiguous layout needs 'labels' or a loss_mask to know which tokens carry "
@@ -229,7 +255,8 @@ def shard_batch_load_balanced(
     """Round-robin head-tail shard: pad to ``2*cp`` (times the per-chunk multiple), rank r
     keeps chunks r and ``2*cp-1-r``. Pad slots: ``input_ids`` 0 (they sit after every real
     token and carry -100 labels), labels -100, padding_mask True, floats 0."""
-    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_buffers)
+    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_buffers,
+                         materialize_positions=False)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
     out, layout = shard_normalized(

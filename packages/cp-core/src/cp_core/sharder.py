@@ -17,7 +17,11 @@ from cp_core.batch import pad_seq_dim
 from cp_core.errors import CPBatchError, CPLayoutError
 from cp_core.layout import ShardLayout
 from cp_core.mesh import cp_rank, cp_size
-from cp_core.tokens import gather_token_tensor_by_indices, shard_token_tensor_by_indices
+from cp_core.tokens import (
+    _norm_dim,
+    gather_token_tensor_by_indices,
+    shard_token_tensor_by_indices,
+)
 
 ShardBatchFn = Callable[..., tuple[Callable[[], Any], dict[str, Any], "ShardLayout | None"]]
 
@@ -146,11 +150,7 @@ class ContextParallelSharder:
     def _dim(tensor: torch.Tensor, seq_dim: int) -> int:
         if not isinstance(tensor, torch.Tensor):
             raise CPBatchError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if not -tensor.dim() <= seq_dim < tensor.dim():
-            raise CPBatchError(
-                f"seq_dim={seq_dim} is out of range for a tensor of shape {tuple(tensor.shape)}"
-            )
-        return seq_dim % tensor.dim()
+        return _norm_dim(tensor, seq_dim)
 
     @staticmethod
     def _flat_stream_dim(tensor: torch.Tensor, dim: int, layout: ShardLayout) -> int:

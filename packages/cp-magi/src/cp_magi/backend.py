@@ -8,11 +8,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from cp_core.config import CPBackendConfig
-from cp_core.errors import CPConfigError
 from cp_core.padding import per_chunk_multiple
 from cp_core.registry import Backend
 from cp_core.sharder import ContextParallelSharder
-from cp_magi.sharder import shard_batch_magi
+from cp_magi.sharder import check_chunk_size, shard_batch_magi
 
 
 class MagiConfig(CPBackendConfig):
@@ -53,11 +52,7 @@ def make_sharder(cfg: MagiConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextP
         attention=common["attention"], window=common["window"], chunk=common["chunk"],
         transport_options=common["transport_options"],
     )
-    if cfg.chunk_size is not None and cfg.chunk_size % multiple:
-        raise CPConfigError(
-            f"cp.chunk_size={cfg.chunk_size} is not a multiple of the per-chunk pad multiple "
-            f"{multiple} (pad_multiple / block_size / TP size)"
-        )
+    check_chunk_size(cfg.chunk_size, multiple)  # at build time, before any batch
     # Data-dependent layout: no static index function.
     return ContextParallelSharder(shard_batch=shard, local_token_global_indices=None,
                                   cp_mesh=cp_mesh, tp_mesh=tp_mesh,

@@ -61,6 +61,16 @@ class MagiPlan:
     rectangles: AttnRectangles
 
 
+def check_chunk_size(chunk_size: int | None, chunk_multiple: int) -> None:
+    """Raise :class:`CPConfigError` when a fixed ``chunk_size`` is not a multiple of the
+    per-chunk pad multiple (every rank's shard must satisfy it)."""
+    if chunk_size is not None and chunk_size % chunk_multiple:
+        raise CPConfigError(
+            f"cp.chunk_size={chunk_size} is not a multiple of the per-chunk pad multiple "
+            f"{chunk_multiple} (pad_multiple / block_size / TP size); choose a multiple of it"
+        )
+
+
 def choose_chunking(stream_len: int, cp: int, *, chunk_size: int | None,
                     chunks_per_rank: int | None, chunk_multiple: int = 1) -> tuple[int, int]:
     """``(chunk_size, chunks_per_rank)`` for a stream of ``stream_len`` tokens.
@@ -69,11 +79,7 @@ def choose_chunking(stream_len: int, cp: int, *, chunk_size: int | None,
     ``chunks_per_rank`` alone (default 8): the smallest chunk (a multiple of
     ``chunk_multiple``) that fits. Both: a fixed shape; a longer stream raises.
     """
-    if chunk_size is not None and chunk_size % chunk_multiple:
-        raise CPConfigError(
-            f"cp.chunk_size={chunk_size} is not a multiple of the per-chunk pad multiple "
-            f"{chunk_multiple} (pad_multiple / block_size / TP size); choose a multiple of it"
-        )
+    check_chunk_size(chunk_size, chunk_multiple)
     if chunk_size is None:
         cpr = DEFAULT_CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
         per_chunk = -(-stream_len // (cp * cpr))
@@ -195,5 +201,5 @@ def shard_batch_magi(
     return make_transport_ctx(plan), out, layout
 
 
-__all__ = ["shard_batch_magi", "choose_chunking", "MagiPlan", "RECTANGLES_KEY",
+__all__ = ["shard_batch_magi", "choose_chunking", "check_chunk_size", "MagiPlan", "RECTANGLES_KEY",
            "DEFAULT_CHUNKS_PER_RANK"]

@@ -20,6 +20,11 @@ def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(t, 0) - t
 
 
+def padded_spans(span: torch.Tensor, divisor: int) -> torch.Tensor:
+    """Each segment's stream length: ``span`` rounded up to a multiple of ``divisor``."""
+    return torch.div(span + divisor - 1, divisor, rounding_mode="floor") * divisor
+
+
 @dataclass(frozen=True)
 class ThdStream:
     """Segments laid out in the padded stream.
@@ -43,7 +48,7 @@ class ThdStream:
     @classmethod
     def build(cls, segments: Segments, divisor: int) -> "ThdStream":
         """Pad each segment to a multiple of ``divisor`` and place it in the stream."""
-        padded = torch.div(segments.span + divisor - 1, divisor, rounding_mode="floor") * divisor
+        padded = padded_spans(segments.span, divisor)
         total = int(padded.sum()) if padded.numel() else 0
         return cls(segments, divisor, padded, _exclusive_cumsum(padded),
                    _exclusive_cumsum(segments.span), total)
@@ -112,16 +117,9 @@ class ThdStream:
         return ids.unsqueeze(0), offset.unsqueeze(0)
 
 
-def pad_overhead(segments: Segments, divisor: int) -> float:
-    """Pad slots the layout adds, as a fraction of the caller's tokens."""
-    n = segments.batch_size * segments.seq_len
-    padded = int(sum_padded(segments.span, divisor))
-    return (padded - n) / n if n else 0.0
-
-
 def sum_padded(span: torch.Tensor, divisor: int) -> int:
     """Stream length of segments of ``span`` tokens padded to ``divisor``."""
-    return int((torch.div(span + divisor - 1, divisor, rounding_mode="floor") * divisor).sum())
+    return int(padded_spans(span, divisor).sum())
 
 
-__all__ = ["ThdStream", "pad_overhead", "sum_padded"]
+__all__ = ["ThdStream", "padded_spans", "sum_padded"]

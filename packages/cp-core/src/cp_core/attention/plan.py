@@ -7,12 +7,13 @@ communication is needed to know which key each query may see.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol, get_args
 
 import torch
 
 AttentionKind = Literal["causal", "bidirectional", "sliding_window", "chunked"]
-ATTENTION_KINDS: tuple[str, ...] = ("causal", "bidirectional", "sliding_window", "chunked")
+#: The kinds as plain strings, derived from the Literal so the two cannot drift apart.
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 
 
 class TokenMask(Protocol):

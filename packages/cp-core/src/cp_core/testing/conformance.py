@@ -32,7 +32,7 @@ from cp_core.datasets import make_packed_batch, packed_rows
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.sharder import ContextParallelSharder
-from cp_core.testing.multirank import RankPool, _load
+from cp_core.testing.multirank import RankPool, load_callable
 from cp_core.testing.parity import (
     FP32_RTOL,
     ForwardFn,
@@ -233,7 +233,7 @@ class ConformanceSuite:
 
 
 def _suite(ref: tuple[str, str | None, str]) -> ConformanceSuite:
-    return _load(*ref)()
+    return load_callable(*ref)()
 
 
 def _kept_and_owned(layout: Any, bsz: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,20 +43,41 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _load(module: str, file: str | None, qualname: str) -> Callable[..., Any]:
+def load_module_file(path: str | os.PathLike[str]) -> Any:
+    """Import the Python file at ``path`` once per process and return the module.
+
+    Test folders are not packages (pytest runs with ``--import-mode=importlib``), so a test
+    file or a rank worker reaches a helper module beside it by path; the module is cached in
+    ``sys.modules`` under a name derived from the resolved path, so every caller shares it.
+    """
+    file = os.path.realpath(path)
+    name = f"_cp_file_{abs(hash(file))}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec and spec.loader, f"cannot load {file}"
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return mod
+
+
+def load_callable(module: str, file: str | None, qualname: str) -> Callable[..., Any]:
+    """The object ``qualname`` of ``module``, or of the file ``file`` when it is not importable.
+
+    How a rank worker finds the function :meth:`RankPool.run` names (test modules are loaded
+    by file path, see :func:`load_module_file`).
+    """
     try:
         mod = importlib.import_module(module)
     except Exception:
         if file is None:
             raise
-        name = f"_cp_rank_case_{abs(hash(file))}"
-        mod = sys.modules.get(name)
-        if mod is None:
-            spec = importlib.util.spec_from_file_location(name, file)
-            assert spec and spec.loader
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
+        mod = load_module_file(file)
     obj: Any = mod
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -89,7 +110,7 @@ def _worker(rank: int, world: int, port: int, conn: Any, collective_timeout_s: f
             break
         module, file, qualname, args, kwargs = msg
         try:
-            fn = _load(module, file, qualname)
+            fn = load_callable(module, file, qualname)
             conn.send(("ok", fn(rank, world, *args, **kwargs)))
         except BaseException:  # report everything, including assertion errors
             conn.send(("err", traceback.format_exc()))
@@ -107,6 +128,25 @@ def collective_timeout() -> timedelta:
     within the pool's bound too.
     """
     return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)))
+
+
+_LEADING_GROUPS: dict[int, Any] = {}
+
+
+def leading_group(size: int) -> Any:
+    """The process group of ranks ``0 .. size-1`` of the default group; None on other ranks.
+
+    Collective: every rank of the default group must call it with the same ``size`` (in the
+    same order), members or not. Groups are created once per size, with the pool's bounded
+    :func:`collective_timeout`, and cached for the process.
+    """
+    import torch.distributed as dist
+
+    if size == dist.get_world_size():
+        return dist.group.WORLD
+    if size not in _LEADING_GROUPS:
+        _LEADING_GROUPS[size] = dist.new_group(list(range(size)), timeout=collective_timeout())
+    return _LEADING_GROUPS[size] if dist.get_rank() < size else None
 
 
 class RankPool:
@@ -195,4 +235,4 @@ class RankPool:
 
 
 __all__ = ["RankPool", "RankFailure", "DEFAULT_COLLECTIVE_TIMEOUT_S", "TIMEOUT_ENV",
-           "collective_timeout"]
+           "collective_timeout", "leading_group", "load_callable", "load_module_file"]
