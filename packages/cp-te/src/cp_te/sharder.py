@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from cp_core.attention.plan import AttentionKind, DocumentMask
+from cp_core.attention.plan import AttentionKind, AttentionPlan, DocumentMask
 from cp_core.batch import normalize_batch, pad_value_for, resolve_primary
 from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments, resolve_segments
 from cp_core.errors import CPBatchError
@@ -186,11 +186,15 @@ def shard_batch_thd(
         pad_multiple=stream.divisor, cp_rank=rank, cp_size=size,
         extras={"cu_seqlens_padded": cu, "boundary_source": segments.source},
     )
-    mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
-                                 window=window, chunk=chunk)
-    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
-                     options=transport_options)
-    return _ctx_factory(make_transport_ctx(plan), te_on, cp_mesh, cp_comm_type), out, layout
+
+    def build_plan() -> AttentionPlan:
+        # Built when the context is first entered: sharding pays for no attention planning.
+        mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
+                                     window=window, chunk=chunk)
+        return make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
+                         options=transport_options)
+
+    return _ctx_factory(make_transport_ctx(build_plan), te_on, cp_mesh, cp_comm_type), out, layout
 
 
 __all__ = ["shard_batch_thd", "plan_stream", "METADATA_KEYS"]
