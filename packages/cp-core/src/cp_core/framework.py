@@ -40,24 +40,15 @@ CtxFactory = Callable[[], ContextManager[Any]]
 ShardResult = tuple[CtxFactory, dict[str, Any], ShardLayout]
 
 
-def make_transport_ctx(plan: AttentionPlan | Callable[[], AttentionPlan] | None) -> CtxFactory:
-    """A zero-arg factory whose context routes SDPA calls through ``plan`` (null without one).
-
-    ``plan`` may be a zero-arg builder: the plan is then built when the context is first
-    entered and reused by later entries, so sharding a batch costs no attention planning
-    until attention actually runs (and none at all when it never does).
-    """
+def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
+    """A zero-arg factory whose context routes SDPA calls through ``plan`` (null without one)."""
     if plan is None:
         return contextlib.nullcontext
-    get_plan = plan if not isinstance(plan, AttentionPlan) else (lambda: plan)
-    built: list[AttentionPlan] = []
 
     def factory() -> ContextManager[Any]:
         from cp_core.attention.intercept import activate_plan
 
-        if not built:
-            built.append(get_plan())
-        return activate_plan(built[0])
+        return activate_plan(plan)
 
     return factory
 
@@ -65,15 +56,20 @@ def make_transport_ctx(plan: AttentionPlan | Callable[[], AttentionPlan] | None)
 def build_document_mask(nb: NormalizedBatch, padded_len: int, *, attention: AttentionKind,
                         window: int | None, chunk: int | None,
                         validated: bool = False) -> DocumentMask:
-    """Document ids/positions of the padded rows (pad slots are document 0).
+    """Document ids/positions of the padded rows (pad slots are document 0), built when the
+    mask is first read (the first attention call).
 
     ``validated=True``: ``_packed_seq_ids`` was already checked when the batch was sharded.
     """
-    device = nb.primary.device
-    ids = resolve_document_ids(nb.batch, nb.batch_size, nb.seq_len, device,
-                               validate=not validated)
-    ids = pad_seq_dim(ids, 1, padded_len - nb.seq_len, 0)
-    return DocumentMask(ids, document_positions(ids), attention, window, chunk)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        device = nb.primary.device
+        ids = resolve_document_ids(nb.batch, nb.batch_size, nb.seq_len, device,
+                                   validate=not validated)
+        ids = pad_seq_dim(ids, 1, padded_len - nb.seq_len, 0)
+        return ids, document_positions(ids)
+
+    return DocumentMask.deferred(build, attention, window, chunk)
 
 
 def make_plan(cp_mesh: Any, layout: ShardLayout, mask: DocumentMask, *,
@@ -124,6 +120,39 @@ def _take(t: torch.Tensor, dim: int, local: torch.Tensor,
     return t.index_select(dim, local)
 
 
+def _take_with_fill(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...],
+                    fill: Any) -> torch.Tensor:
+    """This rank's runs of ``t`` with the slots past its end filled, without padding all of
+    ``t`` first (only the pad slots this rank owns are created). Differentiable."""
+    seq = t.shape[dim]
+    pieces = []
+    for start, length in runs:
+        real = min(max(seq - start, 0), length)
+        if real:
+            pieces.append(t.narrow(dim, start, real))
+        if real < length:
+            shape = list(t.shape)
+            shape[dim] = length - real
+            pieces.append(torch.full(shape, fill, dtype=t.dtype, device=t.device))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _local_pad_mask(local: torch.Tensor, runs: tuple[tuple[int, int], ...], seq_len: int,
+                    batch_size: int) -> torch.Tensor:
+    """``[B, n_local]`` True where this rank's slot lies past the caller's ``seq_len``."""
+    if len(runs) > _MAX_RUNS_FOR_CAT:
+        return (local >= seq_len).unsqueeze(0).expand(batch_size, -1).contiguous()
+    # Few contiguous runs: fill the pad part of each run (cheaper than comparing every slot).
+    mask = torch.zeros(batch_size, local.numel(), dtype=torch.bool, device=local.device)
+    offset = 0
+    for start, length in runs:
+        first_pad = max(start, seq_len) - start
+        if first_pad < length:
+            mask[:, offset + first_pad:offset + length] = True
+        offset += length
+    return mask
+
+
 def shard_normalized(
     nb: NormalizedBatch,
     cp_mesh: Any,
@@ -149,18 +178,19 @@ def shard_normalized(
     if nb.positions_implicit:
         out["position_ids"] = local.unsqueeze(0).expand(nb.batch_size, -1).contiguous()
     if "padding_mask" not in out:
-        out["padding_mask"] = (local >= nb.seq_len).unsqueeze(0).expand(
-            nb.batch_size, -1).contiguous()
+        out["padding_mask"] = _local_pad_mask(local, runs, nb.seq_len, nb.batch_size)
     for key, dim in nb.seq_dims.items():
         if key == nb.primary_key and not shard_primary:
             continue
         t = out[key]
         if key == "position_ids":
-            t = pad_position_ids(t, dim, pad_len)
+            out[key] = _take(pad_position_ids(t, dim, pad_len), dim, local, runs)
+            continue
+        fill = pad_value_for(key, t, padding_token_id, extra_pad_values)
+        if pad_len and len(runs) <= _MAX_RUNS_FOR_CAT:
+            out[key] = _take_with_fill(t, dim, runs, fill)
         else:
-            t = pad_seq_dim(t, dim, pad_len, pad_value_for(key, t, padding_token_id,
-                                                              extra_pad_values))
-        out[key] = _take(t, dim, local, runs)
+            out[key] = _take(pad_seq_dim(t, dim, pad_len, fill), dim, local, runs)
     layout = ShardLayout(
         local_token_global_indices=local, original_seq_len=nb.seq_len,
         padded_seq_len=padded_len, rank_global_indices=ranks, pad_multiple=divisor,
@@ -177,14 +207,11 @@ def _finish(nb: NormalizedBatch, cp_mesh: Any, out: dict[str, Any], layout: Shar
         packed_seq_ids(nb.batch["_packed_seq_ids"], nb.batch_size, nb.seq_len,
                        nb.primary.device)
 
-    def build_plan() -> AttentionPlan:
-        mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len,
-                                   attention=attention, window=window, chunk=chunk,
-                                   validated=True)
-        return make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
-                         options=transport_options)
-
-    return make_transport_ctx(build_plan), out, layout
+    mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len, attention=attention,
+                               window=window, chunk=chunk, validated=True)
+    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
+                     options=transport_options)
+    return make_transport_ctx(plan), out, layout
 
 
 def shard_batch_identity(

@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from cp_core.attention.plan import AttentionKind, AttentionPlan, DocumentMask
+from cp_core.attention.plan import AttentionKind, DocumentMask
 from cp_core.batch import normalize_batch, pad_value_for, resolve_primary
 from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments, resolve_segments
 from cp_core.errors import CPBatchError
@@ -71,13 +71,18 @@ def _local_positions(nb_pos: torch.Tensor | None, seq_dim: int, stream: ThdStrea
 def _stream_document_mask(stream: ThdStream, positions: torch.Tensor,
                           caller_pad: torch.Tensor | None, *, attention: AttentionKind,
                           window: int | None, chunk: int | None) -> DocumentMask:
-    """Document ids ``[1, T]`` (0 on every pad slot) and positions within each document."""
-    ids, pos = stream.document_tensors()
-    if caller_pad is not None and bool(caller_pad.any()):
-        pad_slots = positions.reshape(-1)[caller_pad.reshape(-1).to(positions.device)]
-        ids = ids.clone()
-        ids[0, pad_slots] = 0
-    return DocumentMask(ids, pos, attention, window, chunk)
+    """Document ids ``[1, T]`` (0 on every pad slot) and positions within each document,
+    built when attention first reads them."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos = stream.document_tensors()
+        if caller_pad is not None and bool(caller_pad.any()):
+            pad_slots = positions.reshape(-1)[caller_pad.reshape(-1).to(positions.device)]
+            ids = ids.clone()
+            ids[0, pad_slots] = 0
+        return ids, pos
+
+    return DocumentMask.deferred(build, attention, window, chunk)
 
 
 def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: Any,
@@ -186,15 +191,11 @@ def shard_batch_thd(
         pad_multiple=stream.divisor, cp_rank=rank, cp_size=size,
         extras={"cu_seqlens_padded": cu, "boundary_source": segments.source},
     )
-
-    def build_plan() -> AttentionPlan:
-        # Built when the context is first entered: sharding pays for no attention planning.
-        mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
-                                     window=window, chunk=chunk)
-        return make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
-                         options=transport_options)
-
-    return _ctx_factory(make_transport_ctx(build_plan), te_on, cp_mesh, cp_comm_type), out, layout
+    mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
+                                 window=window, chunk=chunk)
+    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
+                     options=transport_options)
+    return _ctx_factory(make_transport_ctx(plan), te_on, cp_mesh, cp_comm_type), out, layout
 
 
 __all__ = ["shard_batch_thd", "plan_stream", "METADATA_KEYS"]

@@ -24,7 +24,6 @@ class TokenMask(Protocol):
         ...
 
 
-@dataclass(frozen=True)
 class DocumentMask:
     """Document-restricted attention over a padded stream.
 
@@ -32,13 +31,51 @@ class DocumentMask:
     within the document) define it; ``kind`` selects causal, bidirectional, sliding window of
     ``window`` tokens (the query and the ``window - 1`` keys before it) or chunked local
     attention (causal within aligned chunks of ``chunk`` tokens of each document).
+
+    :meth:`deferred` builds the two tensors on first use instead, so a sharder that returns a
+    mask costs nothing until attention (or a planner) actually reads it.
     """
 
-    doc_ids: torch.Tensor
-    doc_pos: torch.Tensor
-    kind: AttentionKind = "causal"
-    window: int | None = None
-    chunk: int | None = None
+    def __init__(self, doc_ids: torch.Tensor | None, doc_pos: torch.Tensor | None,
+                 kind: AttentionKind = "causal", window: int | None = None,
+                 chunk: int | None = None) -> None:
+        self._ids, self._pos = doc_ids, doc_pos
+        self._build: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kind, self.window, self.chunk = kind, window, chunk
+
+    @classmethod
+    def deferred(cls, build: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 kind: AttentionKind = "causal", window: int | None = None,
+                 chunk: int | None = None) -> "DocumentMask":
+        """A mask whose ``(doc_ids, doc_pos)`` come from ``build()`` when first read."""
+        mask = cls(None, None, kind, window, chunk)
+        mask._build = build
+        return mask
+
+    def _materialize(self) -> None:
+        if self._ids is None:
+            assert self._build is not None
+            self._ids, self._pos = self._build()
+            self._build = None
+
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        """``[B, S_pad]`` int64 document id of every stream position (0 == pad)."""
+        self._materialize()
+        assert self._ids is not None
+        return self._ids
+
+    @property
+    def doc_pos(self) -> torch.Tensor:
+        """``[B, S_pad]`` position of every stream position within its document."""
+        self._materialize()
+        assert self._pos is not None
+        return self._pos
+
+    def __repr__(self) -> str:
+        shape = tuple(self._ids.shape) if self._ids is not None else "deferred"
+        return (f"DocumentMask(kind={self.kind!r}, window={self.window}, chunk={self.chunk}, "
+                f"doc_ids={shape})")
 
     def block(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """Bool ``[B, len(q), len(k)]`` mask of the allowed pairs."""
