@@ -54,6 +54,11 @@ def register_backend_configs(config_dir: Path | None = None,
     have_yaml = set()
     if config_dir is not None and (config_dir / "cp").is_dir():
         have_yaml = {p.stem for p in (config_dir / "cp").glob("*.yaml")}
+        # A node stored earlier in this process (for another config dir) under a name that now
+        # has a YAML would be merged into it as a schema: drop it, the YAML is the config.
+        stored = cs.repo.get("cp", {})
+        for name in have_yaml:
+            stored.pop(f"{name}.yaml", None)
     else:
         cs.store(name="config", node=_PRIMARY_FALLBACK)
     errors: dict[str, Exception] = {}
