@@ -11,6 +11,7 @@ from cp_core.config import CPBackendConfig
 from cp_core.padding import per_chunk_multiple
 from cp_core.registry import Backend
 from cp_core.sharder import ContextParallelSharder
+from cp_magi.magi_kernels import check_magi_mode
 from cp_magi.sharder import check_chunk_size, shard_batch_magi
 
 
@@ -29,6 +30,10 @@ class MagiConfig(CPBackendConfig):
     """Mask from the batch's documents: each document alone (attention kind of `attention`), or
     shared_prefix: the first document of a row is a prefix every later document of the row sees
     in full. A batch key `attn_rectangles` (cp_magi.mask.AttnRectangles) overrides both."""
+    use_magi_kernels: Literal["auto", "never", "always"] = "auto"
+    """Local attention through MagiAttention's FFA CUDA kernel (same layout, K/V all-gathered):
+    auto uses it when magi_attention imports and the tensors are CUDA fp16/bf16, else the
+    cp-core transport; always raises instead of falling back; never uses cp-core only."""
 
     @model_validator(mode="after")
     def _check_mask(self) -> "MagiConfig":
@@ -50,9 +55,10 @@ def make_sharder(cfg: MagiConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextP
         shard_batch_magi, chunk_size=cfg.chunk_size, chunks_per_rank=cfg.chunks_per_rank,
         solver=cfg.solver, mask=cfg.mask, chunk_multiple=multiple,
         attention=common["attention"], window=common["window"], chunk=common["chunk"],
-        transport_options=common["transport_options"],
+        transport_options=common["transport_options"], use_magi_kernels=cfg.use_magi_kernels,
     )
     check_chunk_size(cfg.chunk_size, multiple)  # at build time, before any batch
+    check_magi_mode(cfg.use_magi_kernels)  # 'always' without magi_attention/CUDA: refuse now
     # Data-dependent layout: no static index function.
     return ContextParallelSharder(shard_batch=shard, local_token_global_indices=None,
                                   cp_mesh=cp_mesh, tp_mesh=tp_mesh,

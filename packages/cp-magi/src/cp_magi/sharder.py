@@ -39,6 +39,7 @@ from cp_magi.documents import (
     span_rows,
     stream_spans,
 )
+from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
 from cp_magi.solver import Assignment, SolverName, solve
@@ -143,11 +144,12 @@ def shard_batch_magi(
     chunks_per_rank: int | None = None, solver: SolverName = "best",
     mask: MaskSource = "documents", chunk_multiple: int = 1, attention: str = "causal",
     window: int | None = None, chunk: int | None = None,
-    transport_options: Mapping[str, Any] | None = None,
+    transport_options: Mapping[str, Any] | None = None, use_magi_kernels: MagiKernelMode = "never",
 ) -> ShardResult:
     """Shard a packed batch by the dispatch solver (see the module docstring).
 
     Returns ``(ctx_factory, local_batch, layout)``; the caller's batch is not modified.
+    ``use_magi_kernels`` selects the attention transport (:mod:`cp_magi.magi_kernels`).
     """
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
     rects = batch.get(RECTANGLES_KEY) if isinstance(batch, Mapping) else None
@@ -197,7 +199,7 @@ def shard_batch_magi(
     )
     token_mask = RectangleTokenMask.from_rectangles(rect_mask, device)
     plan = make_plan(cp_mesh, layout, token_mask, attention=attention,  # type: ignore[arg-type]
-                     options=transport_options)
+                     transport=magi_transport(use_magi_kernels), options=transport_options)
     return make_transport_ctx(plan), out, layout
 
 
