@@ -251,7 +251,9 @@ class MagiKernelTransport:
 
     def __init__(self, mode: MagiKernelMode = "auto", kernel: KernelFn | None = None) -> None:
         if mode not in ("auto", "always"):
-            raise CPConfigError(f"MagiKernelTransport mode must be 'auto' or 'always', got {mode!r}")
+            raise CPConfigError(
+                f"MagiKernelTransport mode must be 'auto' or 'always', got {mode!r}"
+            )
         self.mode = mode
         self._kernel = kernel
         self._ranges: dict[tuple[int, int, str], tuple[torch.Tensor, ...]] = {}
