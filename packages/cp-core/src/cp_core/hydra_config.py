@@ -18,10 +18,14 @@ from cp_core.registry import Registry, default_registry
 
 CONFIG_DIR_ENV = "CP_CONFIG_DIR"
 
-_PRIMARY_FALLBACK: dict[str, Any] = {
-    "defaults": [{"cp": "round_robin"}, "_self_"],
-    "demo": {"steps": 8, "seq_len": 1024, "batch_size": 1, "seed": 0},
-}
+
+
+def _primary_fallback() -> dict[str, Any]:
+    """The root config outside a repository checkout (an installed wheel): the demo's own
+    defaults are the single source of its keys, so ``demo.<key>=`` overrides still work."""
+    from cp_core.cli.demo import DEMO_DEFAULTS
+
+    return {"defaults": [{"cp": "round_robin"}, "_self_"], "demo": dict(DEMO_DEFAULTS)}
 
 
 def find_config_dir(start: Path | None = None) -> Path | None:
@@ -60,7 +64,7 @@ def register_backend_configs(config_dir: Path | None = None,
         for name in have_yaml:
             stored.pop(f"{name}.yaml", None)
     else:
-        cs.store(name="config", node=_PRIMARY_FALLBACK)
+        cs.store(name="config", node=_primary_fallback())
     errors: dict[str, Exception] = {}
     for name in registry.available():
         if name in have_yaml:

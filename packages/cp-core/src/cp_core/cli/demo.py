@@ -33,7 +33,7 @@ DEMO_DEFAULT_OVERRIDES = ("cp.verify_layout=true",)
 
 #: Keys of the ``demo:`` section with their defaults (config.yaml may set any of them).
 DEMO_DEFAULTS: dict[str, Any] = {
-    "steps": 8, "seq_len": 1024, "batch_size": 1, "seed": 0, "lr": 3e-3,
+    "steps": 8, "seq_len": 2048, "batch_size": 1, "seed": 0, "lr": 3e-3,
     "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
     "intermediate_size": 128, "cap_fraction": 0.25, "threads_per_rank": 0,
 }
