@@ -200,7 +200,7 @@ def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
         return allgather_sdpa
     raise CPAttentionError(
         f"unknown attention transport impl {impl!r}; this build provides 'allgather' (PyTorch's "
-        "CUDA ring, 'torch_ring', is not wired in yet)"
+        "CUDA ring, 'torch_ring', is not provided)"
     )
 
 
