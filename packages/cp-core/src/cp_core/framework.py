@@ -110,12 +110,29 @@ def _static_rank_indices(index_fn: IndexFn, size: int, padded_len: int, device: 
 _MAX_RUNS_FOR_CAT = 8
 
 
+@functools.lru_cache(maxsize=64)
+def _aligned_chunks(runs: tuple[tuple[int, int], ...], device: torch.device
+                    ) -> tuple[int, torch.Tensor] | None:
+    """``(chunk, chunk ids)`` when every run is one whole chunk of an equal-chunk grid (the
+    head-tail layout), else None. Read-only: shared by every shard of that shape."""
+    chunk = runs[0][1]
+    if chunk == 0 or any(n != chunk or s % chunk for s, n in runs):
+        return None
+    return chunk, torch.tensor([s // chunk for s, _ in runs], dtype=torch.long, device=device)
+
+
 def _take(t: torch.Tensor, dim: int, local: torch.Tensor,
           runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """This rank's tokens of ``t`` along ``dim`` (differentiable)."""
     if len(runs) == 1:
         return t.narrow(dim, runs[0][0], runs[0][1])  # a view: cheap, still differentiable
     if 0 < len(runs) <= _MAX_RUNS_FOR_CAT:
+        grid = _aligned_chunks(runs, t.device)
+        if grid is not None and t.shape[dim] % grid[0] == 0:
+            # Whole chunks of a grid: one gather of chunk rows (one kernel, no per-run views).
+            chunk, ids = grid
+            return t.unflatten(dim, (t.shape[dim] // chunk, chunk)).index_select(
+                dim, ids).flatten(dim, dim + 1)
         return torch.cat([t.narrow(dim, s, n) for s, n in runs], dim=dim)
     return t.index_select(dim, local)
 
