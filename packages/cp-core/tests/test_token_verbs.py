@@ -88,3 +88,32 @@ def test_flat_caller_stream_goes_through_the_position_map() -> None:
     s = ContextParallelSharder(shard_batch=lambda *a, **k: None, cp_mesh=None, shard_layout=layout)
     flat = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert s.shard_token_tensor(flat, seq_dim=0, fill=0.0).tolist() == [1, 2, 3, 0, 4, 5, 6, 0]
+
+
+@pytest.mark.parametrize("backend", ["round_robin", "contiguous", "te_thd"])
+def test_document_mask_is_built_on_first_read(backend: str) -> None:
+    """Sharding plans no attention: the document mask is built when attention first reads it,
+    and then it is the same mask an eager build gives."""
+    from cp_core.attention.intercept import active_plan
+    from cp_core.attention.plan import DocumentMask
+    from cp_core.registry import get_backend
+
+    try:
+        get_backend(backend)
+    except Exception:
+        pytest.skip(f"{backend} not installed")
+    ids = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0]])
+    batch = {"input_ids": torch.arange(10).view(1, 10), "labels": torch.arange(10).view(1, 10),
+             "_packed_seq_ids": ids}
+    s = build_sharder({"backend": backend, "size": 2}, SimulatedCPMesh(1, 2))
+    ctx, _ = s.shard(batch)
+    with ctx():
+        mask = active_plan().mask
+    assert isinstance(mask, DocumentMask) and mask._ids is None  # nothing built yet
+    eager = DocumentMask(mask.doc_ids, mask.doc_pos, mask.kind)
+    assert mask._ids is not None
+    q = torch.arange(mask.doc_ids.shape[1])
+    assert torch.equal(mask.block(q, q), eager.block(q, q))
+    # the ids the mask holds are the caller's documents, pad slots 0
+    real = mask.doc_ids[mask.doc_ids > 0]
+    assert sorted(real.unique().tolist()) == [1, 2, 3]
