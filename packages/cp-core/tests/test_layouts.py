@@ -259,3 +259,16 @@ def test_composite_pad_multiple_is_lcm_per_chunk() -> None:
     _, _, layout = shard_batch_load_balanced(SimulatedCPMesh(0, 2), None, batch, tp_size=2,
                                              sequence_parallel=False)
     assert layout.pad_multiple == 4
+
+
+def test_editing_returned_positions_never_changes_later_layouts() -> None:
+    """Static index maps are cached per shape; nothing a shard returns may alias them."""
+    batch = {"input_ids": torch.ones(1, 16, dtype=torch.long)}
+    mesh = SimulatedCPMesh(1, 4)
+    _, out, _ = shard_batch_load_balanced(mesh, None, batch)
+    out["position_ids"] += 1000
+    out["padding_mask"] |= True
+    _, again, layout = shard_batch_load_balanced(mesh, None, batch)
+    assert again["position_ids"].tolist() == [[2, 3, 12, 13]]
+    assert layout.local_token_global_indices.tolist() == [2, 3, 12, 13]
+    assert not again["padding_mask"].any()

@@ -193,7 +193,9 @@ def shard_normalized(
     # tensor to build, pad and slice): positions are the global indices, pad is what lies
     # past the caller's length.
     if nb.positions_implicit:
-        out["position_ids"] = local.unsqueeze(0).expand(nb.batch_size, -1).contiguous()
+        # A copy: ``local`` belongs to the cached index map, which a caller's in-place edit
+        # of its position_ids must never reach.
+        out["position_ids"] = local.unsqueeze(0).expand(nb.batch_size, -1).clone()
     if "padding_mask" not in out:
         out["padding_mask"] = _local_pad_mask(local, runs, nb.seq_len, nb.batch_size)
     for key, dim in nb.seq_dims.items():
