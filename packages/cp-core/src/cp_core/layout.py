@@ -36,6 +36,9 @@ class ShardLayout:
             so a gather moves data only.
         pad_multiple: the effective divisor the padded length was rounded up to.
         cp_rank / cp_size: the rank this layout was computed for.
+
+    The index tensors of static layouts are cached per shape and shared by every layout of
+    that shape: treat them as read-only.
     """
 
     local_token_global_indices: torch.Tensor | None = None
