@@ -25,6 +25,14 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from hypothesis import settings as hypothesis_settings
+
+# CI replays the same examples every run (a failure there is reproducible and never a fluke of
+# the draw); a developer's run explores new ones.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI") == "true":
+    hypothesis_settings.load_profile("ci")
+
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_EXAMPLE = REPO / "examples" / "cp-plugin-example"
 
