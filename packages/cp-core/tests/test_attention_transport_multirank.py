@@ -56,12 +56,15 @@ def _attend(cfg: dict[str, Any], cp_mesh: Any, batch: dict[str, torch.Tensor],
     with ctx_factory():
         with count_collectives() as stats:
             out = F.scaled_dot_product_attention(ql, kl, vl, **kwargs)
-        (out.float() * gl.float()).sum().backward()
+        with count_collectives() as back_stats:
+            (out.float() * gl.float()).sum().backward()
+    calls = {**{f"fwd_{k}": n for k, n in stats.calls.items()},
+             **{f"bwd_{k}": n for k, n in back_stats.calls.items()}}
     full = sharder.gather_token_tensor(out.detach(), seq_dim=2, trim=True)
     group = None if cp_mesh is None else cp_mesh
     grads = [all_reduce(t.grad.clone(), group) for t in leaves]
     assert torch.isfinite(out).all(), "non-finite local attention output"
-    return full, grads, dict(stats.calls)
+    return full, grads, calls
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -114,9 +117,24 @@ def test_parity_with_cp1(pool, backend, size, kind, extra):
         assert res["finite"], rank
         for name, err in res["errors"].items():
             assert err <= 1e-5, (rank, name, err)
-        # Forward: exactly one collective (K and V together).
-        assert res["calls"] == {"all_gather": 1}, res["calls"]
+        # Forward: exactly one collective (K and V together); backward: one all-to-all
+        # returning every rank's K/V gradient slices to their owner.
+        assert res["calls"] == {"fwd_all_gather": 1, "bwd_all_to_all": 1}, res["calls"]
     assert all(r is None for r in results[size:])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
+def test_regather_kv_matches_and_gathers_again_in_backward(pool, backend, size):
+    rows, seq = PACKED
+    results = pool.run(case_parity, backend, size, "causal", {"attn_regather_kv": True}, rows,
+                       seq, hq=6, hkv=2, budget_mb=1e-6, seed=7)
+    for res in results[:size]:
+        assert res["finite"]
+        assert max(res["errors"].values()) <= 1e-5, res["errors"]
+        # K/V are gathered again in backward instead of being kept from the forward.
+        assert res["calls"] == {"fwd_all_gather": 1, "bwd_all_gather": 1,
+                                "bwd_all_to_all": 1}, res["calls"]
 
 
 @pytest.mark.parametrize("backend", ["round_robin", "contiguous"])

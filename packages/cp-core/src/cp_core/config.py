@@ -46,6 +46,9 @@ class CPBackendConfig(BaseModel):
     attn_block_budget_mb: float = Field(64.0, gt=0)
     """Largest local score matrix (MiB, fp32) the transport builds at once before switching to
     blocked online-softmax attention."""
+    attn_regather_kv: bool = False
+    """All-gather transport: keep only the local K/V for backward and gather them again there
+    (memory of every rank's K/V per layer traded for one more all-gather per layer)."""
 
     @model_validator(mode="after")
     def _check_attention(self) -> "CPBackendConfig":
@@ -74,7 +77,8 @@ class CPBackendConfig(BaseModel):
             "attention": self.attention,
             "window": self.window,
             "chunk": self.chunk,
-            "transport_options": {"block_budget_bytes": int(self.attn_block_budget_mb * 2**20)},
+            "transport_options": {"block_budget_bytes": int(self.attn_block_budget_mb * 2**20),
+                                  "regather_kv": self.attn_regather_kv},
         }
 
 

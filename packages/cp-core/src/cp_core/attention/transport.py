@@ -26,7 +26,13 @@ from typing import Any, Callable
 
 import torch
 
-from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
+from cp_core.attention.kernel import (
+    DEFAULT_BLOCK_BUDGET_BYTES,
+    attention_backward,
+    attention_forward,
+    blocked_attention,
+    prepare_attention,
+)
 from cp_core.attention.plan import AttentionPlan
 from cp_core.errors import CPAttentionError
 
@@ -180,11 +186,64 @@ def allgather_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     """
     resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
     check_local_shapes(q, k, v, plan, enable_gqa)
-    k_all, v_all = gather_kv(k, v, plan)
     k_index = plan.rank_indices.reshape(-1).to(plan.q_index.device)
     budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
+    if plan.cp_size > 1 and plan.options.get("regather_kv", False):
+        return _RegatherKVAttention.apply(q, k, v, plan.q_index, k_index, plan.mask, scale,
+                                          budget, plan.group)
+    k_all, v_all = gather_kv(k, v, plan)
     return blocked_attention(q, k_all, v_all, plan.q_index, k_index, plan.mask, scale=scale,
                              block_budget_bytes=budget)
+
+
+def _gather_kv_data(k: torch.Tensor, v: torch.Tensor, group: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K and V on the sequence dim in rank order, one collective, no autograd."""
+    from cp_core import comm
+
+    d = k.shape[-1]
+    full = torch.cat(comm.all_gather(torch.cat([k, v], dim=-1), group), dim=2)
+    return full[..., :d], full[..., d:]
+
+
+class _RegatherKVAttention(torch.autograd.Function):
+    """All-gather attention that keeps only the *local* K/V for backward.
+
+    The default path saves every rank's gathered K/V of every layer until backward (cp times
+    the local K/V). Here backward gathers them again (one more all-gather per layer) and
+    returns each rank's K/V gradient to its owner with one all-to-all and a sum (gloo has no
+    reduce-scatter): memory for communication, selected by ``cp.attn_regather_kv``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                q_index: torch.Tensor, k_index: torch.Tensor, mask: Any, scale: float | None,
+                budget: int, group: Any) -> torch.Tensor:
+        k_all, v_all = _gather_kv_data(k, v, group)
+        q5, scale, rows, cols = prepare_attention(q, k_all, v_all, q_index, k_index, scale,
+                                                  budget)
+        out, lse = attention_forward(q5, k_all, v_all, q_index, k_index, mask, scale, rows,
+                                     cols)
+        ctx.save_for_backward(q5, k, v, q_index, k_index, out, lse)
+        ctx.mask, ctx.scale, ctx.rows, ctx.cols, ctx.group = mask, scale, rows, cols, group
+        ctx.q_shape = q.shape
+        return out.to(q.dtype).reshape(*q.shape[:3], v.shape[-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        from cp_core import comm
+
+        q5, k, v, q_index, k_index, out, lse = ctx.saved_tensors
+        k_all, v_all = _gather_kv_data(k, v, ctx.group)
+        dq, dk_all, dv_all = attention_backward(
+            q5, k_all, v_all, q_index, k_index, ctx.mask, ctx.scale, ctx.rows, ctx.cols, out,
+            lse, grad_out.reshape(out.shape))
+        d = k.shape[-1]
+        parts = torch.cat([dk_all, dv_all], dim=-1).split(k.shape[2], dim=2)
+        mine = torch.stack(comm.all_to_all_same_shape(list(parts), ctx.group)).sum(0)
+        return (dq.reshape(ctx.q_shape).to(q5.dtype), mine[..., :d].to(k.dtype),
+                mine[..., d:].to(v.dtype), None, None, None, None, None, None)
 
 
 def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
