@@ -88,7 +88,8 @@ def _mmap_large_allocations(threshold: int = 1 << 16) -> bool:
 
 
 def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, seed: int,
-                   model_kwargs: dict[str, Any], budget_mb: float) -> dict[str, Any]:
+                   model_kwargs: dict[str, Any], budget_mb: float,
+                   regather_kv: bool = False) -> dict[str, Any]:
     """Runs on every rank: one measured step (memory), then ``repeats`` timed steps."""
     import sys
     from pathlib import Path
@@ -108,7 +109,8 @@ def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, 
     model = ReferenceDecoder(ReferenceModelConfig(**model_kwargs))
     batch = make_packed_batch(packed_rows(1, tokens, seed), vocab=model.cfg.vocab_size,
                               seed=seed)
-    sharder = make_sharder(name, world, dist.group.WORLD, attn_block_budget_mb=budget_mb)
+    sharder = make_sharder(name, world, dist.group.WORLD, attn_block_budget_mb=budget_mb,
+                           attn_regather_kv=regather_kv)
     before_rss, before_max = _rss_bytes(), _maxrss_bytes()
     first = training_step(model, sharder, batch)
     peak = _maxrss_bytes()
@@ -129,14 +131,14 @@ def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, 
 
 
 def run_transport(*, quick: bool = False, seed: int = 7,
-                  backends: tuple[str, ...] = ("round_robin",), budget_mb: float = 8.0
-                  ) -> dict[str, Any]:
+                  backends: tuple[str, ...] = ("round_robin",), budget_mb: float = 8.0,
+                  regather_kv: bool = False) -> dict[str, Any]:
     """Measure every CP size in fresh gloo processes; the result record.
 
     ``budget_mb`` is the transport's score-block budget (``cp.attn_block_budget_mb``). The
     blocks are a fixed cost per rank whatever the CP size, so a budget well below the
     activations (8 MiB here, against the 64 MiB default) lets the table show how the
-    activations scale with CP.
+    activations scale with CP. ``regather_kv`` selects ``cp.attn_regather_kv``.
     """
     from cp_core.testing.multirank import RankPool
 
@@ -155,7 +157,7 @@ def run_transport(*, quick: bool = False, seed: int = 7,
             try:
                 with RankPool(cp, run_timeout_s=900.0) as pool:
                     per_rank = pool.run(transport_case, name, tokens, repeats, seed, model_kwargs,
-                                        budget_mb)
+                                        budget_mb, regather_kv)
             except Exception as exc:
                 rows.append({"backend": name, "cp": cp, "error": str(exc)[-500:]})
                 notes.append(f"{name} at cp={cp} failed: {str(exc)[-300:]}")
@@ -184,7 +186,7 @@ def run_transport(*, quick: bool = False, seed: int = 7,
                  "across cp (same batch, same model)")
     settings = {"tokens": tokens, "cp": cps, "repeats": repeats, "warmup": 1, "seed": seed,
                 "model": model_kwargs, "backends": list(backends), "quick": quick,
-                "attn_block_budget_mb": budget_mb,
+                "attn_block_budget_mb": budget_mb, "attn_regather_kv": regather_kv,
                 "process_group": "gloo"}
     return make_result("transport", settings, rows, COLUMNS, notes)
 

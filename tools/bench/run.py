@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
     parser.add_argument("--transport-budget-mb", type=float, default=8.0,
                         help="transport: attention score-block budget (cp.attn_block_budget_mb)")
+    parser.add_argument("--transport-regather-kv", action="store_true",
+                        help="transport: keep only local K/V for backward (cp.attn_regather_kv)")
     args = parser.parse_args(argv)
     names = BENCHMARKS if args.which == "all" else (args.which,)
     # One intra-op thread: on a small shared machine OpenMP's spinning worker threads turn
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "host":
             kwargs.update(peers=args.peers, out_dir=args.out)
         if name == "transport":
-            kwargs.update(budget_mb=args.transport_budget_mb)
+            kwargs.update(budget_mb=args.transport_budget_mb,
+                          regather_kv=args.transport_regather_kv)
         try:
             result = _runner(name)(**kwargs)
         except Exception as exc:  # one broken benchmark must not hide the others
