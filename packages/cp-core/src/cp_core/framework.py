@@ -131,8 +131,9 @@ def _take(t: torch.Tensor, dim: int, local: torch.Tensor,
         if grid is not None and t.shape[dim] % grid[0] == 0:
             # Whole chunks of a grid: one gather of chunk rows (one kernel, no per-run views).
             chunk, ids = grid
-            return t.unflatten(dim, (t.shape[dim] // chunk, chunk)).index_select(
-                dim, ids).flatten(dim, dim + 1)
+            shape = t.shape
+            grid_view = t.reshape(*shape[:dim], shape[dim] // chunk, chunk, *shape[dim + 1:])
+            return grid_view.index_select(dim, ids).flatten(dim, dim + 1)
         return torch.cat([t.narrow(dim, s, n) for s, n in runs], dim=dim)
     return t.index_select(dim, local)
 
