@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,18 +13,12 @@ from cp_core.boundaries import resolve_segments, segment_document_ids
 from cp_core.documents import document_positions
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
+from cp_core.testing.multirank import load_module_file
 
 CPU = torch.device("cpu")
-
-
-def _ids_by_hand(lengths_per_row: list[list[int]], seq: int) -> torch.Tensor:
-    out = torch.zeros(len(lengths_per_row), seq, dtype=torch.long)
-    for b, lens in enumerate(lengths_per_row):
-        start = 0
-        for d, n in enumerate(lens):
-            out[b, start:start + n] = d + 1
-            start += n
-    return out
+# Document ids written out from lengths, independently of the parser under test.
+_reference = load_module_file(Path(__file__).with_name("attention_reference.py"))
+_ids_by_hand = _reference.doc_ids_from_lengths
 
 
 def test_trailing_pad_allows_rows_that_end_early() -> None:
