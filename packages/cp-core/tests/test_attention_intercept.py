@@ -222,6 +222,8 @@ def test_dropout_heads_and_length_errors():
         with pytest.raises(CPAttentionError, match="both attn_mask and is_causal"):
             F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_bool(SEQ),
                                            is_causal=True, enable_gqa=True)
-    with activate_plan(_plan(impl="nope")):
-        with pytest.raises(CPAttentionError, match="unknown attention transport impl 'nope'"):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # An unknown transport is refused when the context is entered, before any model code runs.
+    with pytest.raises(CPAttentionError, match=r"unknown attention transport cp.transport='nope'"
+                                               r".*\['allgather', 'p2p'\]"):
+        with activate_plan(_plan(**{"transport": None, "impl": "nope"})):
+            pass

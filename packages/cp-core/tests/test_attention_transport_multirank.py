@@ -1,10 +1,11 @@
-"""The all-gather transport across real gloo ranks equals the CP=1 result.
+"""The attention transports (``allgather``, ``p2p``) across real gloo ranks equal the truth.
 
 One 4-rank pool serves the module; 2-rank cases run on a sub-group of ranks 0 and 1. Each case
 shards a packed batch (documents from position_ids resets, trailing pad, a length that needs
 padding) with a framework sharder, runs SDPA on the local q/k/v inside the sharder's context,
-gathers the output back and sums the q/k/v gradients over the ranks; the reference is the
-identity sharder (CP=1) on the same batch in the same process.
+gathers the output back and sums the q/k/v gradients over the ranks. The reference is
+independent of the library: float64 softmax over an explicit mask written pair by pair
+(``attention_reference.py``); the identity sharder (CP=1) is compared with it too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _attend(cfg: dict[str, Any], cp_mesh: Any, batch: dict[str, torch.Tensor],
         with count_collectives() as back_stats:
             (out.float() * gl.float()).sum().backward()
     calls = {**{f"fwd_{k}": n for k, n in stats.calls.items()},
-             **{f"bwd_{k}": n for k, n in back_stats.calls.items()}}
+             **{f"bwd_{k}": n for k, n in back_stats.calls.items()},
+             "fwd_bytes": stats.bytes_sent}
     full = sharder.gather_token_tensor(out.detach(), seq_dim=2, trim=True)
     group = None if cp_mesh is None else cp_mesh
     grads = [all_reduce(t.grad.clone(), group) for t in leaves]
@@ -72,11 +74,45 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
+def _truth(rows: list[list[int]], seq: int, kind: str, extra: dict[str, Any],
+           tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and q/k/v gradients of float64 attention over the explicit mask."""
+    doc = ref.doc_ids_from_lengths(rows, seq)
+    pos = ref.positions_from_lengths(rows, seq)
+    idx = list(range(seq))
+    allowed = ref.explicit_mask(doc, pos, kind, idx, idx, extra.get("window"),
+                                extra.get("chunk"))
+    q, k, v, g = tensors
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = ref.dense_attention(*leaves, allowed)
+    (out * g.double()).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _needed_rows(rows: list[list[int]], seq: int, kind: str, extra: dict[str, Any],
+                 rank_indices: torch.Tensor, me: int) -> int:
+    """Key rows of other ranks that some query of rank ``me`` may see (brute force)."""
+    padded = rank_indices.numel()
+    doc = ref.doc_ids_from_lengths(rows, padded)
+    pos = ref.positions_from_lengths(rows, padded)
+    q = rank_indices[me].tolist()
+    total = 0
+    for s in range(rank_indices.shape[0]):
+        if s == me:
+            continue
+        keys = rank_indices[s].tolist()
+        allowed = ref.explicit_mask(doc, pos, kind, q, keys, extra.get("window"),
+                                    extra.get("chunk"))
+        total += int(allowed.any(dim=1).any(dim=0).sum())
+    return total
+
+
 def case_parity(rank: int, world: int, backend: str, size: int, kind: str,
                 extra: dict[str, Any], rows: list[list[int]], seq: int, *, hq: int = 4,
                 hkv: int = 2, dtype: str = "float32", explicit_mask: bool = False,
-                budget_mb: float = 64.0, seed: int = 0) -> dict[str, Any] | None:
-    """CP result vs identity (CP=1) on every participating rank; relative errors returned."""
+                budget_mb: float = 64.0, seed: int = 0, transport: str = "allgather"
+                ) -> dict[str, Any] | None:
+    """CP result and CP=1 result vs the independent truth on every participating rank."""
     group = leading_group(size)
     if group is None:
         return None
@@ -85,15 +121,30 @@ def case_parity(rank: int, world: int, backend: str, size: int, kind: str,
     dt = getattr(torch, dtype)
     bsz, d = len(rows), 8
     tensors = [torch.randn(bsz, h, seq, d, generator=gen).to(dt) for h in (hq, hkv, hkv, hq)]
-    common = {"attention": kind, "attn_block_budget_mb": budget_mb, **extra}
+    common = {"attention": kind, "attn_block_budget_mb": budget_mb, "transport": transport,
+              **extra}
     out, grads, calls = _attend({"backend": backend, "size": size, **common}, group, batch,
                                 tensors, kind, explicit_mask)
-    ref_out, ref_grads, _ = _attend({"backend": "identity", "size": 1, **common}, None, batch,
+    one_out, one_grads, _ = _attend({"backend": "identity", "size": 1, **common}, None, batch,
                                     tensors, kind, explicit_mask)
-    errors = {"out": _rel(out, ref_out)}
-    errors.update({n: _rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    true_out, true_grads = _truth(rows, seq, kind, extra, tensors)
+    names = ("dq", "dk", "dv")
+    errors = {"out": _rel(out, true_out)}
+    errors.update({n: _rel(a, b) for n, a, b in zip(names, grads, true_grads)})
+    errors["cp1_out"] = _rel(one_out, true_out)
+    errors.update({f"cp1_{n}": _rel(a, b) for n, a, b in zip(names, one_grads, true_grads)})
     finite = all(bool(torch.isfinite(t).all()) for t in [out, *grads])
-    return {"errors": errors, "calls": calls, "finite": finite}
+    from cp_core.registry import build_sharder
+
+    sharder = build_sharder({"backend": backend, "size": size, **common}, group)
+    sharder.shard(batch)
+    needed = _needed_rows(rows, seq, kind, extra, sharder.shard_layout.rank_global_indices, rank)
+    # Bytes the forward must send if it moves exactly the needed key rows: K and V of every
+    # head and batch row, for each row some peer needs (summed over this rank's peers by
+    # symmetry of the counts: what each rank receives is what the others send it).
+    row_bytes = bsz * hkv * 2 * d * torch.empty((), dtype=dt).element_size()
+    return {"errors": errors, "calls": calls, "finite": finite,
+            "needed_recv_bytes": needed * row_bytes}
 
 
 @pytest.fixture(scope="module")
@@ -107,19 +158,36 @@ KINDS = [("causal", {}), ("sliding_window", {"window": 4}), ("chunked", {"chunk"
          ("bidirectional", {})]
 
 
+TRANSPORTS = ["allgather", "p2p"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
 @pytest.mark.parametrize("kind,extra", KINDS, ids=[k for k, _ in KINDS])
-def test_parity_with_cp1(pool, backend, size, kind, extra):
+def test_parity_with_truth(pool, backend, size, kind, extra, transport):
     rows, seq = PACKED
-    results = pool.run(case_parity, backend, size, kind, extra, rows, seq)
+    results = pool.run(case_parity, backend, size, kind, extra, rows, seq, transport=transport)
     for rank, res in enumerate(results[:size]):
         assert res["finite"], rank
         for name, err in res["errors"].items():
             assert err <= 1e-5, (rank, name, err)
-        # Forward: exactly one collective (K and V together); backward: one all-to-all
-        # returning every rank's K/V gradient slices to their owner.
-        assert res["calls"] == {"fwd_all_gather": 1, "bwd_all_to_all": 1}, res["calls"]
+        calls = res["calls"]
+        if transport == "allgather":
+            # Forward: exactly one collective (K and V together); backward: one all-to-all
+            # returning every rank's K/V gradient slices to their owner.
+            assert calls == {"fwd_all_gather": 1, "bwd_all_to_all": 1,
+                             "fwd_bytes": calls["fwd_bytes"]}, calls
+        else:
+            # Point to point only, at most one send and one receive per peer per direction.
+            assert set(calls) <= {"fwd_isend", "fwd_irecv", "bwd_isend", "bwd_irecv",
+                                  "fwd_bytes"}, calls
+            assert calls.get("fwd_isend", 0) <= size - 1, calls
+    if transport == "p2p":
+        # The forward moves exactly the key rows some query of the receiver may see.
+        sent = sum(r["calls"]["fwd_bytes"] for r in results[:size])
+        needed = sum(r["needed_recv_bytes"] for r in results[:size])
+        assert sent == needed, (sent, needed)
     assert all(r is None for r in results[size:])
 
 
@@ -128,30 +196,33 @@ def test_parity_with_cp1(pool, backend, size, kind, extra):
 def test_regather_kv_matches_and_gathers_again_in_backward(pool, backend, size):
     rows, seq = PACKED
     results = pool.run(case_parity, backend, size, "causal", {"attn_regather_kv": True}, rows,
-                       seq, hq=6, hkv=2, budget_mb=1e-6, seed=7)
+                       seq, hq=6, hkv=2, budget_mb=1e-6, seed=7, transport="allgather")
     for res in results[:size]:
         assert res["finite"]
         assert max(res["errors"].values()) <= 1e-5, res["errors"]
         # K/V are gathered again in backward instead of being kept from the forward.
         assert res["calls"] == {"fwd_all_gather": 1, "bwd_all_gather": 1,
-                                "bwd_all_to_all": 1}, res["calls"]
+                                "bwd_all_to_all": 1,
+                                "fwd_bytes": res["calls"]["fwd_bytes"]}, res["calls"]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
-def test_blocked_gqa_and_explicit_causal_mask(pool, backend):
+def test_blocked_gqa_and_explicit_causal_mask(pool, backend, transport):
     rows, seq = PACKED
     # A 1e-6 MiB budget forces row and key blocks; 6 query heads over 1 K/V head; the
     # Hugging Face style local causal mask instead of is_causal.
     results = pool.run(case_parity, backend, 4, "causal", {}, rows, seq, hq=6, hkv=1,
-                       explicit_mask=True, budget_mb=1e-6, seed=3)
+                       explicit_mask=True, budget_mb=1e-6, seed=3, transport=transport)
     for res in results:
         assert max(res["errors"].values()) <= 1e-5, res["errors"]
 
 
-def test_bf16(pool):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bf16(pool, transport):
     rows, seq = PACKED
     results = pool.run(case_parity, "round_robin", 4, "causal", {}, rows, seq,
-                       dtype="bfloat16", seed=4)
+                       dtype="bfloat16", seed=4, transport=transport)
     for res in results:
         assert res["finite"]
         # Both runs compute in fp32 from the same bf16 inputs; only the order of
@@ -159,10 +230,12 @@ def test_bf16(pool):
         assert max(res["errors"].values()) <= 2e-2, res["errors"]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
-def test_ranks_holding_only_padding(pool, backend):
+def test_ranks_holding_only_padding(pool, backend, transport):
     # 3 and 2 tokens on 4 ranks: ranks 2 and 3 (round robin: 3) hold nothing but pad.
-    results = pool.run(case_parity, backend, 4, "causal", {}, [[3], [2]], 3, seed=5)
+    results = pool.run(case_parity, backend, 4, "causal", {}, [[3], [2]], 3, seed=5,
+                       transport=transport)
     for rank, res in enumerate(results):
         assert res["finite"], rank
         assert max(res["errors"].values()) <= 1e-5, (rank, res["errors"])

@@ -74,6 +74,12 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     Yields the plan. Nested blocks are served by the innermost plan; leaving a block (also by
     an exception) restores the enclosing one.
     """
+    from cp_core.attention.transport import select_transport
+    from cp_core.attention.transports import prepare_transport
+
+    # The transport plans its communication and kernel pieces now, on the host, so that
+    # nothing inside the forward or backward has to read a tensor value.
+    prepare_transport(select_transport(plan), plan)
     stack = _plans()
     depth = len(stack)
     stack.append(plan)

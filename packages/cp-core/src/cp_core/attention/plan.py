@@ -7,9 +7,12 @@ communication is needed to know which key each query may see.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, get_args
 
 import torch
+
+if TYPE_CHECKING:
+    from cp_core.attention.rects import BandRects
 
 AttentionKind = Literal["causal", "bidirectional", "sliding_window", "chunked"]
 #: The kinds as plain strings, derived from the Literal so the two cannot drift apart.
@@ -95,6 +98,12 @@ class DocumentMask:
                                  == torch.div(kp, c, rounding_mode="floor"))
         return allowed
 
+    def attention_rects(self) -> "BandRects":
+        """The mask as band rectangles over ``[B, S_pad]`` (see :mod:`cp_core.attention.rects`)."""
+        from cp_core.attention.rects import document_rects
+
+        return document_rects(self.doc_ids, self.kind, self.window, self.chunk)
+
 
 Transport = Callable[..., torch.Tensor]
 
@@ -125,6 +134,8 @@ class AttentionPlan:
     kind: AttentionKind = "causal"
     transport: Transport | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Host data a transport derives from the plan once (its schedule); filled on first use."""
 
     @property
     def group(self) -> Any:

@@ -34,7 +34,7 @@ from cp_core.attention.kernel import (
     prepare_attention,
 )
 from cp_core.attention.plan import AttentionPlan
-from cp_core.errors import CPAttentionError
+from cp_core.errors import CPAttentionError, CPConfigError
 
 # An additive mask entry at or below this is "masked": exp(-1e4) underflows to exactly 0 in
 # fp16, bf16, fp32 and fp64, so such an entry removes the key just like -inf does.
@@ -249,18 +249,19 @@ class _RegatherKVAttention(torch.autograd.Function):
 def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
     """The function that serves SDPA calls for ``plan``.
 
-    ``plan.transport`` when the backend set one, otherwise :func:`allgather_sdpa`
-    (``plan.options["impl"]`` may name it explicitly as ``"allgather"``).
+    ``plan.transport`` when the backend set one (a kernel only it can drive), otherwise the
+    transport named by ``plan.options["transport"]`` (``cp.transport``) from the
+    ``cp_core.transports`` entry points, ``p2p`` by default.
     """
     if plan.transport is not None:
         return plan.transport
-    impl = plan.options.get("impl", "allgather")
-    if impl in ("allgather", None):
-        return allgather_sdpa
-    raise CPAttentionError(
-        f"unknown attention transport impl {impl!r}; this build provides 'allgather' (PyTorch's "
-        "CUDA ring, 'torch_ring', is not provided)"
-    )
+    from cp_core.attention.transports import DEFAULT_TRANSPORT, get_transport
+
+    name = plan.options.get("transport") or plan.options.get("impl") or DEFAULT_TRANSPORT
+    try:
+        return get_transport(str(name))
+    except CPConfigError as exc:
+        raise CPAttentionError(str(exc)) from exc
 
 
 def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any]

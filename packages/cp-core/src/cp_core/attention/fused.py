@@ -1,0 +1,215 @@
+"""The kernel layer: fused attention per piece, merged by log-sum-exp, recomputing backward.
+
+Each :class:`~cp_core.attention.slices.Piece` is one call of a fused kernel that returns the
+row log-sum-exp (LSE) next to the output. Partial outputs of pieces that share query rows are
+merged with the online-softmax rule (FlashAttention, Dao et al. 2022, arXiv:2205.14135)::
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+The backward of a piece is the fused kernel's own backward, given the *final* output and LSE
+of its rows: it rebuilds the piece's probabilities as ``exp(s - lse_final)``, which are the
+true global probabilities, so the pieces' gradients add up to the exact gradient.
+
+Kernels: on CPU PyTorch's fused flash-attention op for CPU (GQA natively, fp32 / bf16 / fp16 /
+fp64); on CUDA the memory-efficient SDPA op (K/V heads repeated per piece for GQA, since that
+op has no GQA); :class:`MathKernel` is the plain reference used by tests and for other devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Protocol
+
+import torch
+
+from cp_core.attention.slices import BAND, CAUSAL, Piece
+
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class PieceKernel(Protocol):
+    """Fused attention for one piece: ``q [B, Hq, nq, D]``, ``k/v [B, Hkv, nk, D/Dv]``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, Hq, nq, Dv] in q.dtype, lse [B, Hq, nq] fp32 or fp64)``."""
+        ...
+
+    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 mask: torch.Tensor | None, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` of this piece given the final ``out`` and ``lse`` of its rows."""
+        ...
+
+
+class CPUFlashKernel:
+    """PyTorch's fused CPU flash-attention forward and backward ops."""
+
+    def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
+        """See :class:`PieceKernel`."""
+        return _CPU_FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+    def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
+        """See :class:`PieceKernel`."""
+        return _CPU_BWD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+class CUDAEfficientKernel:
+    """PyTorch's memory-efficient SDPA op on CUDA (its LSE is padded to 32 rows: sliced)."""
+
+    def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
+        """See :class:`PieceKernel`."""
+        g = q.shape[1] // k.shape[1]
+        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _repeat_kv(k, g), _repeat_kv(v, g), bias, True, 0.0, causal, scale=scale)
+        return out, lse[..., : q.shape[2]]
+
+    def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
+        """See :class:`PieceKernel`."""
+        g = q.shape[1] // k.shape[1]
+        pad = (-q.shape[2]) % 32
+        lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out.contiguous(), q, _repeat_kv(k, g), _repeat_kv(v, g), bias, out,
+            lse_p.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+        if g > 1:
+            b, h, n, d = dk.shape
+            dk = dk.view(b, h // g, g, n, d).sum(2)
+            dv = dv.view(b, h // g, g, n, dv.shape[-1]).sum(2)
+        return dq, dk, dv
+
+
+class MathKernel:
+    """Plain-torch attention with explicit scores: the reference the fused kernels match."""
+
+    @staticmethod
+    def _scores(q, k, causal, mask, scale):  # type: ignore[no-untyped-def]
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        b, hq, nq, d = q.shape
+        hkv = k.shape[1]
+        qg = q.to(cdt).reshape(b, hkv, (hq // hkv) * nq, d)
+        s = (qg @ k.to(cdt).transpose(-1, -2)).view(b, hq, nq, -1) * scale
+        if causal:
+            tri = torch.ones(nq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            s = s.masked_fill(~tri, -math.inf)
+        if mask is not None:
+            s = s + mask.to(cdt)
+        return s, cdt
+
+    def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
+        """See :class:`PieceKernel`."""
+        s, cdt = self._scores(q, k, causal, mask, scale)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        b, hq, nq, nk = p.shape
+        hkv = v.shape[1]
+        out = (p.view(b, hkv, -1, nk) @ v.to(cdt)).view(b, hq, nq, -1)
+        return out.to(q.dtype), lse
+
+    def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
+        """See :class:`PieceKernel`."""
+        s, cdt = self._scores(q, k, causal, mask, scale)
+        b, hq, nq, nk = s.shape
+        hkv, g = k.shape[1], hq // k.shape[1]
+        p = torch.exp(s - lse.to(cdt).unsqueeze(-1))
+        go = grad_out.to(cdt)
+        delta = (go * out.to(cdt)).sum(-1, keepdim=True)
+        dp = (go.reshape(b, hkv, g * nq, -1) @ v.to(cdt).transpose(-1, -2)).view(b, hq, nq, nk)
+        ds = p * (dp - delta)
+        dv = p.reshape(b, hkv, g * nq, nk).transpose(-1, -2) @ go.reshape(b, hkv, g * nq, -1)
+        dsg = ds.reshape(b, hkv, g * nq, nk)
+        dq = (dsg @ k.to(cdt)).view(b, hq, nq, -1) * scale
+        dk = (dsg.transpose(-1, -2) @ q.to(cdt).reshape(b, hkv, g * nq, -1)) * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def kernel_for(device: torch.device, name: str = "auto") -> PieceKernel:
+    """The fused kernel of ``device`` (``name="math"``: the reference kernel)."""
+    if name == "math":
+        return MathKernel()
+    if device.type == "cpu":
+        return CPUFlashKernel()
+    if device.type == "cuda":
+        return CUDAEfficientKernel()
+    return MathKernel()
+
+
+@functools.lru_cache(maxsize=256)
+def band_mask(nq: int, nk: int, dlo: int, dhi: int, dtype: torch.dtype, device: torch.device
+              ) -> torch.Tensor:
+    """Additive ``[nq, nk]`` mask, 0 where ``dlo <= u - r <= dhi`` and -inf elsewhere.
+
+    Cached: the tiles of one window share a handful of shapes. Read-only.
+    """
+    d = (torch.arange(nk, device=device).view(1, nk) - torch.arange(nq, device=device).view(nq, 1))
+    ok = (d >= dlo) & (d <= dhi)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(ok, zero, torch.full((), -math.inf, dtype=dtype, device=device))
+
+
+def _rows(t: torch.Tensor, p: Piece) -> torch.Tensor:
+    t = t if p.b < 0 else t[p.b:p.b + 1]
+    return t[:, :, p.q0:p.q1]
+
+
+def _keys(t: torch.Tensor, p: Piece) -> torch.Tensor:
+    t = t if p.b < 0 else t[p.b:p.b + 1]
+    return t[:, :, p.k0:p.k1]
+
+
+def _piece_mask(p: Piece, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    if p.kind != BAND:
+        return None
+    return band_mask(p.q1 - p.q0, p.k1 - p.k0, p.dlo, p.dhi, dtype, device)
+
+
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, p: Piece, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+    """Online-softmax merge of one piece's ``(out, lse)`` into the accumulators, in place."""
+    o_view, l_view = _rows(out_acc, p), _rows(lse_acc.unsqueeze(-1), p).squeeze(-1)
+    lse = lse.to(l_view.dtype)
+    new = torch.logaddexp(l_view, lse)
+    # The old lse is -inf for rows no piece reached yet: exp(-inf - new) == 0, never NaN,
+    # because a piece's own lse is always finite (every row of a piece has a key).
+    o_view.mul_(torch.exp(l_view - new).unsqueeze(-1)).add_(
+        out.to(o_view.dtype) * torch.exp(lse - new).unsqueeze(-1))
+    l_view.copy_(new)
+
+
+def forward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   pieces: list[Piece], scale: float, out_acc: torch.Tensor,
+                   lse_acc: torch.Tensor) -> None:
+    """Compute every piece against keys ``k``/``v`` and merge it into the accumulators."""
+    for p in pieces:
+        o, lse = kernel.forward(_rows(q, p), _keys(k, p), _keys(v, p), p.kind == CAUSAL,
+                                _piece_mask(p, q.dtype, q.device), scale)
+        merge_into(out_acc, lse_acc, p, o, lse)
+
+
+def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor,
+                    grad_out: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor) -> None:
+    """Add every piece's ``(dq, dk, dv)`` into the accumulators (``dk``/``dv`` index ``k``)."""
+    for p in pieces:
+        gq, gk, gv = kernel.backward(
+            _rows(grad_out, p), _rows(q, p), _keys(k, p), _keys(v, p), _rows(out, p),
+            _rows(lse.unsqueeze(-1), p).squeeze(-1), p.kind == CAUSAL,
+            _piece_mask(p, q.dtype, q.device), scale)
+        _rows(dq, p).add_(gq.to(dq.dtype))
+        _keys(dk, p).add_(gk.to(dk.dtype))
+        _keys(dv, p).add_(gv.to(dv.dtype))
+
+
+__all__ = ["PieceKernel", "CPUFlashKernel", "CUDAEfficientKernel", "MathKernel", "kernel_for",
+           "band_mask", "merge_into", "forward_pieces", "backward_pieces"]

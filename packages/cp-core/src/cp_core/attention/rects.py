@@ -1,0 +1,153 @@
+"""The attention mask of one step as a short list of diagonal-band rectangles.
+
+A rectangle ``(b, qs, qe, ks, ke, dlo, dhi)`` says: in batch row ``b`` (``-1``: every row),
+global query ``q`` in ``[qs, qe)`` may see global key ``k`` in ``[ks, ke)`` when
+``dlo <= k - q <= dhi``. ``dlo = -INF`` / ``dhi = +INF`` switch a bound off. Every mask the
+runtime serves is a union of such rectangles that never cover one pair twice:
+
+* a causal document: one rectangle per (query segment, key segment) of the document with
+  ``dhi = 0`` (a key never after its query);
+* a sliding window of ``w`` tokens adds ``dlo = -(w - 1)``;
+* chunked attention splits documents at their chunk boundaries first, then is causal;
+* bidirectional documents are full rectangles;
+* MagiAttention's rectangle types are the four combinations of the two bounds.
+
+This is the formulation of MagiAttention's ``AttnSlice`` (q range, k range, mask type), with the
+type written as two diagonal bounds so that cropping a rectangle to a rank's runs keeps it a
+rectangle of the same form. Built from document runs, not tokens: the cost is
+O(documents + pad holes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+#: Sentinel for "no diagonal bound" (far beyond any stream length, far from int64 overflow).
+INF: int = 1 << 60
+
+
+@dataclass(frozen=True)
+class BandRects:
+    """Non-overlapping band rectangles over a stream (see the module docstring).
+
+    Attributes:
+        rows: ``[n, 7]`` int64: ``b, qs, qe, ks, ke, dlo, dhi`` per rectangle.
+        batch: the batch size the rectangles address (1 with ``b == -1`` for shared rows).
+    """
+
+    rows: np.ndarray
+    batch: int
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def allowed_pairs(self) -> int:
+        """Number of allowed (query, key) pairs, counted in closed form per rectangle."""
+        return int(sum(band_area(*map(int, r[1:])) for r in self.rows))
+
+
+@runtime_checkable
+class RectangleMask(Protocol):
+    """A token mask that can describe itself as band rectangles (the runtime's plan input)."""
+
+    def attention_rects(self) -> BandRects:
+        """The mask as :class:`BandRects` over the stream its indices address."""
+        ...
+
+
+def band_area(qs: int, qe: int, ks: int, ke: int, dlo: int, dhi: int) -> int:
+    """Allowed pairs of one rectangle: for every row, the length of its key interval."""
+    total = 0
+    # Rows split into at most three stretches where each bound is either clamped or sliding;
+    # summing row by row would be O(rows), so sum the arithmetic series per stretch instead.
+    q0, q1 = max(qs, ks - dhi), min(qe, ke - dlo)
+    if q0 >= q1:
+        return 0
+    cuts = sorted({q0, q1, min(max(ks - dlo, q0), q1), min(max(ke - 1 - dhi, q0), q1)})
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if a >= b:
+            continue
+        # lo(q) = max(ks, q + dlo), hi(q) = min(ke - 1, q + dhi): linear on [a, b).
+        def length(q: int) -> int:
+            return min(ke - 1, q + dhi) - max(ks, q + dlo) + 1
+
+        total += (length(a) + length(b - 1)) * (b - a) // 2
+    return total
+
+
+def _segments(ids_row: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, end, doc)`` runs of equal non-zero document ids in one row."""
+    if ids_row.size == 0:
+        return []
+    change = np.flatnonzero(ids_row[1:] != ids_row[:-1]) + 1
+    starts = np.concatenate(([0], change))
+    ends = np.concatenate((change, [ids_row.size]))
+    docs = ids_row[starts]
+    keep = docs > 0
+    return list(zip(starts[keep].tolist(), ends[keep].tolist(), docs[keep].tolist()))
+
+
+def _split_chunks(segs: list[tuple[int, int, int]], first: dict[int, int], chunk: int
+                  ) -> list[tuple[int, int, tuple[int, int]]]:
+    """Segments cut at every chunk boundary of their document; the key becomes (doc, chunk)."""
+    out = []
+    for s, e, d in segs:
+        f = first[d]
+        while s < e:
+            c = (s - f) // chunk
+            end = min(e, f + (c + 1) * chunk)
+            out.append((s, end, (d, c)))
+            s = end
+    return out
+
+
+def document_rects(doc_ids: torch.Tensor, kind: str, window: int | None = None,
+                   chunk: int | None = None) -> BandRects:
+    """Band rectangles of document attention over ``doc_ids [B, S]`` (0 == pad, never seen).
+
+    Positions inside a document are offsets from its first token (pad holes keep counting), so
+    causal order, windows and chunks are all measured on the stream index. Rows with equal
+    ids share one set of rectangles (``b == -1``).
+    """
+    ids = doc_ids.detach().to("cpu", torch.int64).numpy()
+    bsz = ids.shape[0]
+    shared = bsz > 1 and bool((ids == ids[:1]).all())
+    rows_to_plan = [0] if (bsz == 1 or shared) else list(range(bsz))
+    out: list[tuple[int, ...]] = []
+    if kind == "bidirectional":
+        dlo, dhi = -INF, INF
+    elif kind == "sliding_window":
+        dlo, dhi = -(int(window or 1) - 1), 0
+    else:  # causal, chunked (chunks become sub-documents below)
+        dlo, dhi = -INF, 0
+    for b in rows_to_plan:
+        tag = -1 if (bsz == 1 or shared) else b
+        segs = _segments(ids[b])
+        first: dict[Any, int] = {}
+        for s, _, d in segs:
+            first.setdefault(d, s)
+        keyed: list[tuple[int, int, Any]] = list(segs)
+        if kind == "chunked":
+            keyed = _split_chunks(segs, first, int(chunk or 1))
+        by_doc: dict[Any, list[tuple[int, int]]] = {}
+        for s, e, d in keyed:
+            by_doc.setdefault(d, []).append((s, e))
+        for parts in by_doc.values():
+            for qs, qe in parts:
+                for ks, ke in parts:
+                    # A key segment wholly after the query segment is never seen (dhi <= 0),
+                    # nor one wholly beyond the window.
+                    if dhi <= 0 and ks > qe - 1:
+                        continue
+                    if dlo > -INF and ke - 1 < qs + dlo:
+                        continue
+                    out.append((tag, qs, qe, ks, ke, dlo, dhi))
+    arr = np.asarray(out, dtype=np.int64).reshape(-1, 7)
+    return BandRects(arr, 1 if (bsz == 1 or shared) else bsz)
+
+
+__all__ = ["INF", "BandRects", "RectangleMask", "band_area", "document_rects"]
