@@ -31,6 +31,7 @@ from cp_core.errors import (
     CPConfigError,
     CPError,
     CPLayoutError,
+    CPLayoutUnavailableError,
 )
 from cp_core.framework import shard_batch_contiguous, shard_batch_identity
 from cp_core.mesh import SimulatedCPMesh
@@ -52,6 +53,7 @@ BUILTIN_OF: dict[type, type] = {
     CPBatchError: ValueError,
     CPConfigError: ValueError,
     CPLayoutError: RuntimeError,
+    CPLayoutUnavailableError: NotImplementedError,
     CPAttentionError: NotImplementedError,
     CPBackendNotFoundError: KeyError,
     CPBackendLoadError: ImportError,
@@ -138,6 +140,35 @@ def verb_after_shard(verb: Callable[[Any], Any]) -> Callable[[str, Any], None]:
         s = sharder(backend)
         s.shard(batch)
         verb(s)
+
+    return act
+
+
+class DuckMesh:
+    """A duck-typed 1-D CP mesh (``cp_core.mesh.CPMeshLike``) with no process group."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_group(self) -> None:
+        return None
+
+
+def on_duck_mesh(rank: int, then: Callable[[Any], Any] | None = None
+                 ) -> Callable[[str, Any], None]:
+    """Shard the batch on a :class:`DuckMesh` of CP ranks at ``rank``, then ``then(sharder)``."""
+
+    def act(backend: str, batch: Any) -> None:
+        s = build_sharder({"backend": backend, "size": CP}, DuckMesh(CP, rank))
+        s.shard(batch)
+        if then is not None:
+            then(s)
 
     return act
 
@@ -372,11 +403,13 @@ CASES: list[Case] = [
          "cp_mesh must be a 1-D DeviceMesh, a ProcessGroup, None or a SimulatedCPMesh",
          act=lambda b, batch: build_sharder({"backend": b, "size": 2}, "cp")),
     # token verbs
-    Case("shard-token-before-shard", ALL, "`shard_token_tensor` before the first `shard`",
-         CPLayoutError, "shard_token_tensor needs a layout: call sharder.shard(batch) first",
+    # identity shards any length before the first shard (a static map, nothing to pad)
+    Case("shard-token-before-shard", tuple(b for b in ALL if b != "identity"),
+         "`shard_token_tensor` before the first `shard`",
+         CPLayoutUnavailableError, "shard_token_tensor needs a layout: call sharder.shard(batch) first",
          act=lambda b, batch: sharder(b).shard_token_tensor(batch["labels"], fill=-100)),
     Case("gather-before-shard", ALL, "`gather_token_tensor` before the first `shard`",
-         CPLayoutError, "gather_token_tensor needs a layout: call sharder.shard(batch) first",
+         CPLayoutUnavailableError, "gather_token_tensor needs a layout: call sharder.shard(batch) first",
          act=lambda b, batch: sharder(b).gather_token_tensor(torch.zeros(B, 4))),
     Case("shard-token-wrong-length", ALL, "`shard_token_tensor` of a [B, S+5] tensor",
          CPBatchError, "has 14 tokens on dim 1",
@@ -429,6 +462,15 @@ CASES: list[Case] = [
          "a known backend whose package is not installed (isolated registry)",
          CPBackendNotFoundError, "is not installed; install it with: pip install 'cp-core[",
          act=_missing_registry_act),
+    # duck-typed meshes
+    Case("mesh-duck-rank-out-of-range", tuple(b for b in ALL if b != "identity"),
+         "a duck-typed mesh whose `get_local_rank()` is not below its `size()`", CPConfigError,
+         "DuckMesh.get_local_rank() returned 2, outside [0, 2)", act=on_duck_mesh(2)),
+    Case("mesh-duck-no-group", tuple(b for b in ALL if b != "identity"),
+         "`gather_token_tensor` over a duck-typed mesh whose `get_group()` returns None",
+         CPLayoutError, "has no process group (get_group() returned None)",
+         act=on_duck_mesh(0, lambda s: s.gather_token_tensor(
+             torch.zeros(B, s.shard_layout.num_local_tokens)))),
 ]
 
 

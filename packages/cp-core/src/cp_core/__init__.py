@@ -18,6 +18,7 @@ from cp_core.errors import (
     CPConfigError,
     CPError,
     CPLayoutError,
+    CPLayoutUnavailableError,
 )
 from cp_core.framework import (
     shard_batch_aux_only,
@@ -37,9 +38,18 @@ from cp_core.layout import (
     round_robin_local_indices,
 )
 from cp_core.loss import count_label_tokens, cp_cross_entropy
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.mesh import CPMeshLike, SimulatedCPMesh
 from cp_core.sharder import ContextParallelSharder
-from cp_core.tokens import gather_token_tensor_by_indices, shard_token_tensor_by_indices
+from cp_core.tokens import (
+    gather_token_tensor_by_indices,
+    reorder_gathered_token_tensor,
+    shard_token_tensor_by_indices,
+)
+
+# NeMo AutoModel's (private) spelling of reorder_gathered_token_tensor, so code and tests
+# ported from its sharder module run with only the import changed (docs/nemo.md). Not in
+# __all__: the public name is the one without the underscore.
+_reorder_gathered_token_tensor = reorder_gathered_token_tensor
 
 __version__ = "0.1.0"
 
@@ -47,11 +57,13 @@ __all__ = [
     "ShardLayout",
     "ContextParallelSharder",
     "SimulatedCPMesh",
+    "CPMeshLike",
     "identity_local_indices",
     "contiguous_local_indices",
     "round_robin_local_indices",
     "shard_token_tensor_by_indices",
     "gather_token_tensor_by_indices",
+    "reorder_gathered_token_tensor",
     "shard_batch_identity",
     "shard_batch_contiguous",
     "shard_batch_load_balanced",
@@ -78,6 +90,7 @@ __all__ = [
     "CPBatchError",
     "CPConfigError",
     "CPLayoutError",
+    "CPLayoutUnavailableError",
     "CPAttentionError",
     "CPBackendNotFoundError",
     "CPBackendLoadError",

@@ -24,6 +24,16 @@ class CPLayoutError(CPError, RuntimeError):
     """A token verb was used without a layout, or ranks disagree on the layout they computed."""
 
 
+class CPLayoutUnavailableError(CPLayoutError, NotImplementedError):
+    """A token verb needs a shard layout that does not exist yet.
+
+    Raised before the first ``shard`` of a data-dependent layout (nothing can place a token
+    yet) and by ``gather_token_tensor(trim=True)`` with no layout to trim to. It is a
+    :class:`CPLayoutError` and, as NeMo AutoModel raises for the same cases, a
+    ``NotImplementedError``.
+    """
+
+
 class CPAttentionError(CPError, NotImplementedError):
     """The active attention transport cannot honour the requested attention (mask, kind, dropout)."""
 
@@ -44,6 +54,7 @@ __all__ = [
     "CPBatchError",
     "CPConfigError",
     "CPLayoutError",
+    "CPLayoutUnavailableError",
     "CPAttentionError",
     "CPBackendNotFoundError",
     "CPBackendLoadError",

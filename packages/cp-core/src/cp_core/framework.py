@@ -339,8 +339,12 @@ def _shard_sequence(cp_mesh: Any, tensor: torch.Tensor, seq_dim: int, pad_value:
     dim = seq_dim % tensor.dim()
     seq = tensor.shape[dim]
     padded = round_up(seq, divisor)
-    t = pad_seq_dim(tensor, dim, padded - seq, pad_value)
     idx = index_fn(cp_mesh, padded, tensor.device)
+    if padded == seq and cp_size(cp_mesh) == 1:
+        # CP inactive and nothing to pad: hand back the caller's tensor itself (no copy, and
+        # code that checks ``local is full`` to skip CP-only work keeps working).
+        return tensor, idx, padded
+    t = pad_seq_dim(tensor, dim, padded - seq, pad_value)
     return t.index_select(dim, idx), idx, padded
 
 

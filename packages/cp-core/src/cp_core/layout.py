@@ -88,8 +88,8 @@ def round_up(n: int, multiple: int) -> int:
 def _check_divisible(padded_seq_len: int, divisor: int, what: str) -> None:
     if padded_seq_len < 0 or padded_seq_len % divisor != 0:
         raise CPBatchError(
-            f"{what}: padded_seq_len={padded_seq_len} must be a non-negative multiple of "
-            f"{divisor}; pad the sequence first"
+            f"{what}: padded_seq_len={padded_seq_len} must be divisible by {divisor} (a "
+            f"non-negative multiple of {divisor}); pad the sequence first"
         )
 
 

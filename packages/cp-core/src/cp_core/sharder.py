@@ -3,7 +3,12 @@
 A sharder is a dataclass of callables, not a class hierarchy: ``shard_batch`` (how a batch is
 padded and sliced) and, for static layouts, ``local_token_global_indices``. The verbs
 ``shard``, ``shard_token_tensor`` and ``gather_token_tensor`` are derived from the global-index
-map of the stored :class:`ShardLayout`. Nothing branches on which backend built a sharder.
+map of the stored :class:`ShardLayout` (or, for a static layout before its first shard, from
+``local_token_global_indices``). Nothing branches on which backend built a sharder.
+
+It is built in one of two keyword forms (:mod:`cp_core.resolution`, ``docs/nemo.md``): from
+its callables (the strategy form, what backends' factories use) or from ``(model,
+device_mesh, batch)`` with the backend chosen through the registry (the resolution form).
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ from typing import Any, Callable, Mapping
 import torch
 
 from cp_core.batch import pad_seq_dim
-from cp_core.errors import CPBatchError, CPLayoutError
-from cp_core.layout import ShardLayout
-from cp_core.mesh import cp_rank, cp_size
+from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
+from cp_core.layout import ShardLayout, all_rank_indices
+from cp_core.mesh import cp_size
+from cp_core.positions import row_positions_to_stream, rows_to_stream, stream_to_rows
+from cp_core.resolution import (
+    Meshes,
+    build_from_registry,
+    check_form,
+    meshes_from_args,
+    resolution_config,
+)
 from cp_core.tokens import (
     _norm_dim,
     gather_token_tensor_by_indices,
@@ -24,9 +37,10 @@ from cp_core.tokens import (
 )
 
 ShardBatchFn = Callable[..., tuple[Callable[[], Any], dict[str, Any], "ShardLayout | None"]]
+IndexFn = Callable[..., torch.Tensor]
 
 
-@dataclass
+@dataclass(init=False)
 class ContextParallelSharder:
     """How a batch is sharded across CP ranks and where each local token lives.
 
@@ -35,20 +49,69 @@ class ContextParallelSharder:
             (ctx_factory, batch, ShardLayout | None)``.
         local_token_global_indices: ``(cp_mesh, padded_seq_len, device) -> Tensor`` for static
             layouts; None for data-dependent ones (THD, dispatch solver).
-        cp_mesh / tp_mesh: the meshes the sharder was built for.
+        cp_mesh / tp_mesh: the 1-D meshes the sharder was built for.
         padding_token_id: pad token of ``input_ids`` for layouts that use it.
-        shard_layout: the layout of the last ``shard`` (set by :meth:`shard`).
+        shard_layout: the layout of the last ``shard`` (set by :meth:`shard`; may be assigned).
         verify_layout: check with one small collective per ``shard`` that every CP rank was
             fed the same batch and computed the same layout.
+        loss_mask: default ``loss_mask`` of :meth:`shard` when the call passes none.
     """
 
     shard_batch: ShardBatchFn
-    local_token_global_indices: Callable[..., torch.Tensor] | None = None
-    cp_mesh: Any = None
-    tp_mesh: Any = None
-    padding_token_id: int = 0
-    shard_layout: ShardLayout | None = None
-    verify_layout: bool = False
+    local_token_global_indices: IndexFn | None
+    cp_mesh: Any
+    tp_mesh: Any
+    padding_token_id: int
+    shard_layout: ShardLayout | None
+    verify_layout: bool
+    loss_mask: torch.Tensor | None
+
+    def __init__(
+        self,
+        model: Any = None,
+        device_mesh: Any = None,
+        batch: Mapping[str, Any] | None = None,
+        *,
+        shard_batch: ShardBatchFn | None = None,
+        local_token_global_indices: IndexFn | None = None,
+        shard_layout: ShardLayout | None = None,
+        padding_token_id: int = 0,
+        loss_mask: torch.Tensor | None = None,
+        cp_mesh: Any = None,
+        tp_mesh: Any = None,
+        verify_layout: bool = False,
+        config: Any = None,
+    ) -> None:
+        """Build a sharder from its callables, or resolve one through the registry.
+
+        Strategy form: ``shard_batch=`` (plus ``local_token_global_indices=`` for a static
+        layout, ``shard_layout=`` to start from a known layout). Resolution form: ``model``,
+        ``device_mesh`` and/or ``batch``, and ``config=`` (a backend name or registry config;
+        default ``model.cp_config``, else round-robin with CP active and identity without).
+        The forms are mutually exclusive (``TypeError``). Meshes: ``cp_mesh=``/``tp_mesh=``
+        (1-D), or one ``device_mesh`` whose ``"cp"``/``"tp"`` dims are read by name. The
+        ``batch`` is never read or mutated here; :meth:`shard` shards it.
+        """
+        strategy = check_form(model=model, batch=batch, config=config, shard_batch=shard_batch,
+                              local_token_global_indices=local_token_global_indices,
+                              shard_layout=shard_layout)
+        meshes = meshes_from_args(device_mesh, cp_mesh, tp_mesh)
+        if not strategy:
+            built = build_from_registry(
+                resolution_config(model, config, meshes, padding_token_id, verify_layout),
+                meshes)
+            shard_batch, local_token_global_indices = (built.shard_batch,
+                                                       built.local_token_global_indices)
+            padding_token_id, verify_layout = built.padding_token_id, built.verify_layout
+            meshes = Meshes(built.cp_mesh, built.tp_mesh)
+        assert shard_batch is not None
+        self.shard_batch = shard_batch
+        self.local_token_global_indices = local_token_global_indices
+        self.cp_mesh, self.tp_mesh = meshes.cp_mesh, meshes.tp_mesh
+        self.padding_token_id = padding_token_id
+        self.shard_layout = shard_layout
+        self.verify_layout = verify_layout
+        self.loss_mask = loss_mask
 
     # -- verbs -------------------------------------------------------------------------------
 
@@ -59,6 +122,8 @@ class ContextParallelSharder:
         Returns ``(ctx_factory, local_batch)``; run the model's forward and backward inside
         ``with ctx_factory():`` so its SDPA calls are served by the CP transport.
         """
+        if loss_mask is None:
+            loss_mask = self.loss_mask
         ctx_factory, out, layout = self.shard_batch(
             self.cp_mesh, self.tp_mesh, batch, loss_mask=loss_mask,
             padding_token_id=self.padding_token_id,
@@ -79,35 +144,49 @@ class ContextParallelSharder:
         (flattened through the layout's position map, pad slots get ``fill``); the original
         sequence length (right-padded with the explicit ``fill``); the padded length (sharded
         directly). Any other length raises instead of sharding the wrong slice.
+
+        Before the first ``shard`` a static layout shards a tensor taken to be at its padded
+        length already (the index map checks it divides); a data-dependent layout raises
+        :class:`CPLayoutUnavailableError`.
         """
-        layout = self._require_layout("shard_token_tensor")
         dim = self._dim(tensor, seq_dim)
+        layout = self._known_layout()
+        if layout is None:
+            return self._shard_without_layout(tensor, dim)
+        padded = self._stream_len(layout)
         positions = layout.input_token_stream_positions
+        per_row = positions is not None and layout.input_row_shape is None
         if positions is not None and dim >= 1 and tuple(tensor.shape[dim - 1:dim + 1]) == tuple(
                 positions.shape):
-            tensor = self._rows_to_stream(tensor, dim, layout, fill)
-            dim -= 1
-        elif positions is not None and tensor.shape[dim] == positions.numel():
+            if per_row:  # repositioned rows: scatter each row into its padded row
+                n_rows = positions.shape[0]
+                tensor = rows_to_stream(tensor, dim, row_positions_to_stream(positions, padded),
+                                        n_rows * padded, fill).unflatten(dim - 1,
+                                                                         (n_rows, padded))
+            else:  # flat stream: the caller's [B, S] become one token dim
+                tensor = rows_to_stream(tensor, dim, positions, padded, fill)
+                dim -= 1
+        elif not per_row and positions is not None and tensor.shape[dim] == positions.numel():
             # The caller's rows already flattened ([B*S]): their order is the caller's, not
             # the stream's (per-document pad sits between documents), so map through the
             # position map instead of padding at the end.
             rows = tensor.unflatten(dim, tuple(positions.shape))
-            tensor = self._rows_to_stream(rows, dim + 1, layout, fill)
-        elif tensor.shape[dim] == layout.padded_seq_len:
+            tensor = rows_to_stream(rows, dim + 1, positions, padded, fill)
+        elif tensor.shape[dim] == padded:
             pass
         elif tensor.shape[dim] == layout.original_seq_len:
-            pad = (layout.padded_seq_len or 0) - tensor.shape[dim]
+            pad = padded - tensor.shape[dim]
             if pad and fill is None:
                 raise CPBatchError(
                     f"tensor has the original length {layout.original_seq_len} on dim {dim}; "
-                    f"the layout pads it to {layout.padded_seq_len}, so pass fill= for the "
+                    f"the layout pads it to {padded}, so pass fill= for the "
                     f"{pad} pad slots (e.g. -100 for labels, 0 for advantages)"
                 )
             tensor = pad_seq_dim(tensor, dim, pad, fill)
         else:
-            raise CPBatchError(self._length_error(tensor, dim, layout))
-        return shard_token_tensor_by_indices(tensor, self._local_indices(layout, tensor.device),
-                                             dim)
+            raise CPBatchError(self._length_error(tensor, dim, layout, padded))
+        return shard_token_tensor_by_indices(
+            tensor, self._indices(padded, tensor.device, "shard_token_tensor"), dim)
 
     def gather_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False,
                             fill: float | int | None = None, grad_mode: str = "slice"
@@ -117,34 +196,136 @@ class ContextParallelSharder:
         ``trim=True`` returns the caller's coordinates: sliced to the original length, or
         mapped back to ``input_row_shape`` through the position map (``fill`` for caller
         positions whose tokens the layout dropped). ``grad_mode`` as in
-        :func:`gather_token_tensor_by_indices`.
+        :func:`gather_token_tensor_by_indices`. With CP inactive and nothing to trim, the
+        tensor given is returned itself.
         """
-        layout = self._require_layout("gather_token_tensor")
-        dim = self._flat_stream_dim(tensor, self._dim(tensor, seq_dim), layout)
-        local = self._local_indices(layout, tensor.device)
+        layout = self._known_layout()
+        if layout is None:
+            self._no_layout_for_gather(trim)
+        assert layout is not None
+        padded = self._stream_len(layout)
+        local = self._indices(padded, tensor.device, "gather_token_tensor")
+        dim = self._flat_stream_dim(tensor, self._dim(tensor, seq_dim), layout, local.numel())
         full = gather_token_tensor_by_indices(
-            self.cp_mesh, tensor, local, dim, rank_indices=layout.rank_global_indices,
+            self.cp_mesh, tensor, local, dim, rank_indices=self._rank_indices(layout, padded),
             grad_mode=grad_mode,
         )
         if not trim:
             return full
+        if full.shape[dim] != padded:
+            raise CPBatchError(
+                f"the gathered tensor has {full.shape[dim]} tokens on dim {dim}, but the layout "
+                f"reported padded_seq_len {padded}: refusing to trim a stream of the wrong length"
+            )
         positions = layout.input_token_stream_positions
+        if positions is not None and layout.input_row_shape is None:
+            if dim < 1 or full.shape[dim - 1] != positions.shape[0]:
+                raise CPBatchError(
+                    f"the layout repositions {positions.shape[0]} rows; the gathered tensor of "
+                    f"shape {tuple(full.shape)} has no such row dim before dim {dim}"
+                )
+            return stream_to_rows(full.flatten(dim - 1, dim), dim - 1,
+                                  row_positions_to_stream(positions, padded), fill)
         if positions is not None:
-            return self._stream_to_rows(full, dim, positions, fill)
+            return stream_to_rows(full, dim, positions, fill)
         if layout.original_seq_len is None:
             raise CPLayoutError("trim=True needs a layout that records original_seq_len")
+        if layout.original_seq_len == full.shape[dim]:
+            return full  # nothing was padded: no view, the gathered tensor itself
         return full.narrow(dim, 0, layout.original_seq_len)
 
-    # -- helpers -----------------------------------------------------------------------------
+    # -- index resolution --------------------------------------------------------------------
 
-    def _require_layout(self, verb: str) -> ShardLayout:
+    def _known_layout(self) -> ShardLayout | None:
+        # A layout that says neither where tokens are nor how long the stream is (e.g. the
+        # trivial one a no-op shard may report) places nothing: treat it as absent.
         layout = self.shard_layout
-        if layout is None or layout.local_token_global_indices is None:
-            raise CPLayoutError(
-                f"{verb} needs a layout: call sharder.shard(batch) first (this sharder's layout "
-                "depends on the data, so no token can be placed before the first shard)"
-            )
+        if layout is None or (layout.local_token_global_indices is None
+                              and layout.padded_seq_len is None):
+            return None
         return layout
+
+    def _stream_len(self, layout: ShardLayout) -> int:
+        """The padded stream length a layout refers to, from its fields or its index map."""
+        if layout.padded_seq_len is not None:
+            return int(layout.padded_seq_len)
+        if layout.rank_global_indices is not None:
+            return int(layout.rank_global_indices.numel())
+        idx = layout.local_token_global_indices
+        assert idx is not None
+        # Every built-in layout gives each rank an equal share of the padded stream.
+        return int(idx.numel()) * cp_size(self.cp_mesh)
+
+    def _indices(self, padded_seq_len: int, device: torch.device | str | None,
+                 verb: str = "the token verbs") -> torch.Tensor:
+        """This rank's global positions for a padded stream of ``padded_seq_len`` tokens.
+
+        From the stored layout when it reports them (flattened, int64, checked against the
+        stream length it describes), else from the static index map; a data-dependent layout
+        before its first shard raises :class:`CPLayoutUnavailableError`.
+        """
+        layout = self.shard_layout
+        reported = layout.local_token_global_indices if layout is not None else None
+        if reported is not None:
+            assert layout is not None
+            expected = self._stream_len(layout)
+            if padded_seq_len != expected:
+                raise CPBatchError(
+                    f"padded_seq_len={padded_seq_len} does not match the layout the last shard "
+                    f"reported ({expected} tokens over {cp_size(self.cp_mesh)} rank(s))"
+                )
+            idx = reported.reshape(-1)
+            return idx.to(device=device if device is not None else idx.device, dtype=torch.long)
+        if self.local_token_global_indices is None:
+            raise self._data_dependent(verb)
+        return self.local_token_global_indices(self.cp_mesh, padded_seq_len, device)
+
+    @staticmethod
+    def _data_dependent(verb: str) -> CPLayoutUnavailableError:
+        return CPLayoutUnavailableError(
+            f"{verb} needs a layout: call sharder.shard(batch) first (this sharder's layout is "
+            "data-dependent: no token can be placed before the first shard)"
+        )
+
+    def _rank_indices(self, layout: ShardLayout, padded: int) -> torch.Tensor | None:
+        # Every rank's map, so the gather moves data only: reported by the layout, or derived
+        # from the static map (no collective needed to learn it).
+        if layout.rank_global_indices is not None:
+            return layout.rank_global_indices
+        if (layout.local_token_global_indices is None
+                and self.local_token_global_indices is not None):
+            return all_rank_indices(self.local_token_global_indices, cp_size(self.cp_mesh),
+                                    padded)
+        return None
+
+    def _shard_without_layout(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        padded = tensor.shape[dim]
+        try:
+            idx = self._indices(padded, tensor.device, "shard_token_tensor")
+        except CPBatchError as exc:  # the static map refuses this length
+            raise CPLayoutUnavailableError(
+                f"shard_token_tensor needs a layout: call sharder.shard(batch) first, or pass a "
+                f"tensor already at a padded length the layout accepts ({exc})"
+            ) from exc
+        return shard_token_tensor_by_indices(tensor, idx, dim)
+
+    def _no_layout_for_gather(self, trim: bool) -> None:
+        # Data-dependent first: that is the more fundamental reason nothing can be placed.
+        if self.local_token_global_indices is None:
+            raise self._data_dependent("gather_token_tensor")
+        if trim:
+            raise CPLayoutUnavailableError(
+                "gather_token_tensor(trim=True) has no shard layout to trim to: call "
+                "sharder.shard(batch) first (or assign sharder.shard_layout)"
+            )
+        # A static map could place the tokens, but a gather returns the stream of the last
+        # shard; with none recorded there is no length to check the result against.
+        raise CPLayoutUnavailableError(
+            "gather_token_tensor needs a layout: call sharder.shard(batch) first (or assign "
+            "sharder.shard_layout); there is no recorded stream to gather into"
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
 
     @staticmethod
     def _dim(tensor: torch.Tensor, seq_dim: int) -> int:
@@ -153,71 +334,26 @@ class ContextParallelSharder:
         return _norm_dim(tensor, seq_dim)
 
     @staticmethod
-    def _flat_stream_dim(tensor: torch.Tensor, dim: int, layout: ShardLayout) -> int:
+    def _flat_stream_dim(tensor: torch.Tensor, dim: int, layout: ShardLayout,
+                         n_local: int) -> int:
         # On a flat-stream layout (input_row_shape set) shard_token_tensor turns the caller's
         # [B, S] dims (seq_dim - 1, seq_dim) into one token dim at seq_dim - 1; accept the same
         # seq_dim on the way back so the two verbs are inverse with the same arguments.
-        idx = layout.local_token_global_indices
-        n_local = int(idx.numel()) if idx is not None else -1
         if (layout.input_row_shape is not None and dim >= 1 and tensor.shape[dim] != n_local
                 and tensor.shape[dim - 1] == n_local):
             return dim - 1
         return dim
 
     @staticmethod
-    def _local_indices(layout: ShardLayout, device: torch.device) -> torch.Tensor:
-        idx = layout.local_token_global_indices
-        assert idx is not None
-        return idx if idx.device == device else idx.to(device)
-
-    @staticmethod
-    def _length_error(tensor: torch.Tensor, dim: int, layout: ShardLayout) -> str:
-        accepted = [f"original length {layout.original_seq_len} (with fill=)",
-                    f"padded length {layout.padded_seq_len}"]
+    def _length_error(tensor: torch.Tensor, dim: int, layout: ShardLayout, padded: int) -> str:
+        accepted = [f"padded_seq_len={padded}"]
+        if layout.original_seq_len is not None and layout.original_seq_len != padded:
+            accepted.insert(0, f"original_seq_len={layout.original_seq_len} (with fill=)")
         if layout.input_token_stream_positions is not None:
             accepted.insert(0, f"[B, S] = {list(layout.input_token_stream_positions.shape)} "
                                f"on dims ({dim - 1}, {dim})")
         return (f"tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim "
                 f"{dim}; this layout accepts {', '.join(accepted)}")
-
-    @staticmethod
-    def _rows_to_stream(tensor: torch.Tensor, dim: int, layout: ShardLayout,
-                        fill: float | int | None) -> torch.Tensor:
-        positions = layout.input_token_stream_positions
-        assert positions is not None and layout.padded_seq_len is not None
-        flat = tensor.flatten(dim - 1, dim)
-        pos = positions.reshape(-1).to(tensor.device)
-        keep = pos >= 0
-        n_slots = layout.padded_seq_len
-        if int(keep.sum()) < n_slots and fill is None:
-            raise CPBatchError(
-                f"the layout has {n_slots - int(keep.sum())} pad slots in its stream of "
-                f"{n_slots}; pass fill= for them (e.g. -100 for labels)"
-            )
-        shape = list(flat.shape)
-        shape[dim - 1] = n_slots
-        stream = torch.full(shape, 0 if fill is None else fill, dtype=flat.dtype,
-                            device=flat.device)
-        src_idx = keep.nonzero().squeeze(1)
-        return stream.index_copy(dim - 1, pos[src_idx], flat.index_select(dim - 1, src_idx))
-
-    @staticmethod
-    def _stream_to_rows(full: torch.Tensor, dim: int, positions: torch.Tensor,
-                        fill: float | int | None) -> torch.Tensor:
-        pos = positions.to(full.device)
-        dropped = pos < 0
-        if bool(dropped.any()) and fill is None:
-            raise CPBatchError(
-                f"{int(dropped.sum())} caller positions have no token in the layout; pass fill= "
-                "for them"
-            )
-        rows = full.index_select(dim, pos.clamp(min=0).reshape(-1))
-        rows = rows.unflatten(dim, tuple(pos.shape))
-        if bool(dropped.any()):
-            view = [1] * rows.dim()
-            view[dim], view[dim + 1] = pos.shape
-            rows = rows.masked_fill(dropped.view(view), fill)
-        return rows
 
 
 __all__ = ["ContextParallelSharder"]

@@ -7,7 +7,7 @@ is one all-gather of the data alone; the index map is never sent.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -44,6 +44,40 @@ def _inverse_permutation(flat: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(flat)
     inv[flat] = torch.arange(flat.numel(), device=flat.device, dtype=flat.dtype)
     return inv
+
+
+def reorder_gathered_token_tensor(
+    parts: Sequence[torch.Tensor], rank_indices: Sequence[torch.Tensor], seq_dim: int = 1
+) -> torch.Tensor:
+    """Reassemble every rank's shard into global order, given every rank's index map.
+
+    ``parts[r]`` is rank r's local shard and ``rank_indices[r]`` its global positions (what
+    ``local_token_global_indices`` gives rank r). The result is the full (padded) tensor;
+    differentiable. This is the reordering step of :func:`gather_token_tensor_by_indices`
+    without the collective: use it to rebuild a tensor from shards collected any other way
+    (offline, in one process over simulated meshes).
+    """
+    if len(parts) != len(rank_indices) or not parts:
+        raise CPBatchError(
+            f"need one index map per shard, got {len(parts)} shard(s) and "
+            f"{len(rank_indices)} index map(s)"
+        )
+    dim = _norm_dim(parts[0], seq_dim)
+    for r, (part, idx) in enumerate(zip(parts, rank_indices)):
+        if part.shape[dim] != idx.numel():
+            raise CPBatchError(
+                f"shard {r} has {part.shape[dim]} tokens on dim {dim} (shape "
+                f"{tuple(part.shape)}) but its index map has {idx.numel()}"
+            )
+    flat = torch.cat([idx.reshape(-1).to(parts[0].device, torch.long) for idx in rank_indices])
+    # The maps must tile [0, total) exactly once; a duplicate or a gap would make the inverse
+    # permutation silently read uninitialised slots.
+    if not torch.equal(flat.sort().values, torch.arange(flat.numel(), device=flat.device)):
+        raise CPBatchError(
+            f"the {len(rank_indices)} index maps do not partition [0, {flat.numel()}): every "
+            "global position must be owned by exactly one rank"
+        )
+    return torch.cat(list(parts), dim=dim).index_select(dim, _inverse_permutation(flat))
 
 
 def gather_token_tensor_by_indices(
@@ -92,4 +126,8 @@ def gather_token_tensor_by_indices(
     return gathered.index_select(dim, _inverse_permutation(flat))
 
 
-__all__ = ["shard_token_tensor_by_indices", "gather_token_tensor_by_indices"]
+__all__ = [
+    "shard_token_tensor_by_indices",
+    "gather_token_tensor_by_indices",
+    "reorder_gathered_token_tensor",
+]
