@@ -11,6 +11,8 @@ EXPECTED_EXPORTS = {
     "gather_token_tensor_by_indices", "shard_batch_identity", "shard_batch_contiguous",
     "shard_batch_load_balanced", "shard_batch_aux_only", "shard_sequence_for_cp_round_robin",
     "shard_sequence_for_cp_contiguous", "convert_attention_mask_to_padding_mask",
+    # the NeMo AutoModel contract (docs/nemo.md)
+    "CPMeshLike", "reorder_gathered_token_tensor", "CPLayoutUnavailableError",
 }
 
 EXPECTED_CONFIG_KEYS = {
