@@ -188,9 +188,15 @@ def test_plot_alias_becomes_a_hydra_override() -> None:
     assert _rewrite_argv(["--plot=out/x.png", "-m"]) == ["plan.plot='out/x.png'", "-m"]
 
 
-def test_repo_config_section_matches_the_model() -> None:
-    cfg = yaml.safe_load((REPO / "configs" / "config.yaml").read_text())
-    assert cfg["plan"] == PlanConfig().model_dump(mode="json")
+def test_shipped_config_sections_match_their_models() -> None:
+    import cp_core.conf
+    from cp_core.cli.demo import DemoConfig
+
+    conf = Path(cp_core.conf.__file__).parent
+    plan = yaml.safe_load((conf / "cp_plan.yaml").read_text())
+    demo = yaml.safe_load((conf / "cp_demo.yaml").read_text())
+    assert plan["plan"] == PlanConfig().model_dump(mode="json")
+    assert demo["demo"] == DemoConfig().model_dump(mode="json")
 
 
 def _table(text: str) -> dict[int, tuple[int, int, int]]:
@@ -217,13 +223,17 @@ def test_multirun_ends_with_one_comparison_table(tmp_path: Path) -> None:
                           cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("cp-plan comparison") == 1
-    table = proc.stdout.split("cp-plan comparison", 1)[1]
+    table = proc.stdout.split("cp-plan comparison", 1)[1].split("(saved to", 1)[0]
     lines = [ln.split() for ln in table.strip().splitlines()[2:]]
     assert [(ln[0], ln[1]) for ln in lines] == [("round_robin", "2"), ("round_robin", "4"),
                                               ("contiguous", "2"), ("contiguous", "4")]
     # round_robin cp=2 on [3,5]: work 12 and 9, max/mean 12/10.5.
     assert lines[0][5] == "1.1429"
     assert len(list((tmp_path / "sweep").glob("*/cp_plan.json"))) == 4
+    # The table is saved in the sweep directory, and every job's log holds its report.
+    assert "cp-plan comparison" in (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert len(json.loads((tmp_path / "sweep" / "comparison.json").read_text())) == 4
+    assert "max/mean: tokens" in (tmp_path / "sweep" / "0" / "cp_plan.log").read_text()
 
 
 def test_comparison_table_formats_missing_work() -> None:

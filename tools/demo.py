@@ -3,9 +3,10 @@
 
     .venv/bin/python tools/demo.py cp=round_robin cp.size=4
 
-Hydra overrides select and parameterize the backend (``cp=<name> cp.<key>=<value>``) and the
-run (``demo.steps=4 demo.seq_len=2048``). The script re-launches itself under ``torchrun``
-with ``cp.size`` ranks; see :mod:`cp_core.cli.demo`.
+The same Hydra app as ``cp-demo`` (see :mod:`cp_core.cli.demo`): ``cp=<name> cp.<key>=<value>``
+select and parameterize the backend, ``demo.steps=4 demo.seq_len=2048`` the run; ``--help``,
+``--cfg job`` and ``-m`` work as in any Hydra app. It starts ``cp.size`` gloo processes with
+torch's elastic launcher.
 """
 
 import sys

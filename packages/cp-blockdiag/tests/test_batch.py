@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -288,16 +287,8 @@ def test_config_refuses_bidirectional_and_unknown_exchange() -> None:
 
 
 def test_hydra_compose_selects_blockdiag() -> None:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from cp_core.hydra_config import compose_app_config
 
-    from cp_core.hydra_config import register_backend_configs
-
-    config_dir = Path(__file__).resolve().parents[3] / "configs"
-    register_backend_configs(config_dir)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose(config_name="config", overrides=["cp=blockdiag", "cp.exchange=halo",
-                                                        "cp.size=4"])
+    cfg = compose_app_config("cp_plan", ["cp=blockdiag", "cp.exchange=halo", "cp.size=4"])
     backend, parsed = resolve_config(cfg.cp)
     assert backend.name == "blockdiag" and parsed.exchange == "halo" and parsed.size == 4

@@ -104,19 +104,10 @@ def test_mesh_size_must_match_config() -> None:
         build_sharder({"backend": "round_robin", "size": 4}, SimulatedCPMesh(0, 2))
 
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
-
-
 def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from cp_core.hydra_config import compose_app_config
 
-    from cp_core.hydra_config import register_backend_configs
-
-    register_backend_configs(CONFIG_DIR)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+    return compose_app_config("cp_plan", overrides)
 
 
 def test_hydra_compose_selects_and_overrides() -> None:

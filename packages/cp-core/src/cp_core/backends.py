@@ -26,6 +26,9 @@ from cp_core.sharder import ContextParallelSharder
 class IdentityConfig(CPBackendConfig):
     """No CP: every rank holds the whole sequence (CP size 1)."""
 
+    size: int | None = Field(1, ge=1, le=1)
+    """CP size: always 1 (every rank holds the whole sequence); use another backend for CP > 1."""
+
 
 class ContiguousConfig(CPBackendConfig):
     """Rank r holds one contiguous slice ``[r*L/cp, (r+1)*L/cp)``."""

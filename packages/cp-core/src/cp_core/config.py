@@ -23,8 +23,9 @@ class CPBackendConfig(BaseModel):
 
     backend: str
     """Registered name of the backend (the entry point name)."""
-    size: int = Field(1, ge=1)
-    """CP size: ranks that share one sequence; must equal the size of the CP mesh."""
+    size: int | None = Field(None, ge=1)
+    """CP size: ranks that share one sequence. Unset (null): the size of the CP mesh the sharder
+    is built on; when set it must equal that size."""
     padding_token_id: int = 0
     """Token id written into ``input_ids`` pad slots (layouts that pad with the pad token)."""
     attention: AttentionKind = "causal"
@@ -59,9 +60,9 @@ class CPBackendConfig(BaseModel):
         return self
 
     def check_mesh(self, cp_mesh: Any) -> None:
-        """Raise :class:`CPConfigError` when the mesh's CP size differs from ``size``."""
+        """Raise :class:`CPConfigError` when ``size`` is set and the mesh's CP size differs."""
         actual = cp_size(cp_mesh)
-        if actual != self.size:
+        if self.size is not None and actual != self.size:
             raise CPConfigError(
                 f"cp.size={self.size} but the CP mesh has {actual} rank(s); set cp.size={actual} "
                 "or build the mesh with the configured size"

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from cp_core.attention.plan import AttentionPlan, DocumentMask, TokenMask
-from cp_core.errors import CPLayoutError
+from cp_core.errors import CPConfigError, CPLayoutError
 from cp_core.layout import ShardLayout
 from cp_core.mesh import SimulatedCPMesh
 
@@ -220,6 +220,9 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
     from cp_core.registry import build_sharder, resolve_config
 
     backend, cfg = resolve_config(config)
+    if cfg.size is None:  # no mesh to take it from: the number of simulated ranks must be given
+        raise CPConfigError(
+            f"plan_layout needs cp.size (the number of ranks to simulate) for {backend.name!r}")
     size = int(cfg.size)
     ranks: list[RankPlan] = []
     owner: torch.Tensor | None = None

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from cp_core.attention.plan import ATTENTION_KINDS
 from cp_core.config import CPBackendConfig
 from cp_core.errors import CPBackendLoadError, CPBackendNotFoundError, CPConfigError
+from cp_core.mesh import cp_size
 from cp_core.sharder import ContextParallelSharder
 
 ENTRY_POINT_GROUP = "cp_core.backends"
@@ -230,8 +231,14 @@ def resolve_config(config: Any) -> tuple[Backend, CPBackendConfig]:
 
 
 def build_sharder(config: Any, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
-    """Validate ``config``, check it against the mesh and build the backend's sharder."""
+    """Validate ``config``, check it against the mesh and build the backend's sharder.
+
+    ``size`` may be left out: it is then taken from ``cp_mesh``; when given it must match."""
     backend, cfg = resolve_config(config)
+    if cfg.size is None:
+        # The mesh is the one source of the CP size; validated again so that a backend limited
+        # to some sizes (identity: 1) refuses the mesh in its own words.
+        cfg = backend.make_config({**cfg.model_dump(), "size": cp_size(cp_mesh)})
     cfg.check_mesh(cp_mesh)
     sharder = backend.factory(cfg, cp_mesh, tp_mesh)
     if not isinstance(sharder, ContextParallelSharder):

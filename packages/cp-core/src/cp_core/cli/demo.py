@@ -1,97 +1,129 @@
 """``cp-demo``: a short CP training run of the reference decoder, next to CP=1, on CPU.
 
-Run it with Hydra overrides; it re-launches itself under ``torchrun`` (gloo) with
-``cp.size`` processes::
+A Hydra app (``--help``, ``--cfg job`` and ``-m`` sweeps work as in any Hydra app)::
 
     python tools/demo.py cp=round_robin cp.size=4
     cp-demo cp=contiguous cp.size=2 demo.steps=4
+    cp-demo -m cp=round_robin,magi cp.size=2,4 demo.steps=2      # one run per combination
+    torchrun --nproc_per_node=4 -m cp_core.cli.demo cp=magi       # cp.size from the launcher
 
-Every rank builds its sharder from ``cfg.cp`` through :func:`cp_core.registry.build_sharder`
-(no code here knows any backend by name) and trains the reference decoder on packed batches
-drawn from the shipped document-length histogram (seeded, identical on every rank). Rank 0
-also trains an identical copy with the identity backend on the full batch and prints, per
-step, the CP loss next to the CP=1 loss of the same batch and their difference; at the end,
-every rank's tokens, pad tokens, attention work (allowed query/key pairs of its queries) and
-step time. ``cp.verify_layout`` is on by default here (one small collective per step checks
-that every rank was fed the same batch and computed the same layout); ``cp.verify_layout=false``
-turns it off.
+Started by itself, each job starts ``cp.size`` gloo processes with torch's elastic launcher
+(the job's config is handed to them, never re-parsed); started under ``torchrun``, every
+process is one rank and ``cp.size`` defaults to the world size. Every rank builds its sharder
+from ``cfg.cp`` through :func:`cp_core.registry.build_sharder` (no code here knows any backend
+by name) and trains the reference decoder on packed batches drawn from the shipped
+document-length histogram (seeded, identical on every rank). Rank 0 also trains an identical
+copy with the identity backend on the full batch and prints, per step, the CP loss next to the
+CP=1 loss of the same batch and their difference; at the end, every rank's tokens, pad tokens,
+attention work (allowed query/key pairs of its queries) and step time. The report goes to the
+console and the job's ``cp_demo.log``, the numbers to ``cp_demo.json`` in its output directory.
+``cp.verify_layout`` is on here (cp_demo.yaml); ``cp.verify_layout=false`` turns it off.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import logging
 import os
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
-#: Overrides the demo applies before the user's (later overrides win).
-DEMO_DEFAULT_OVERRIDES = ("cp.verify_layout=true",)
+from pydantic import BaseModel, ConfigDict, Field
 
-#: Keys of the ``demo:`` section with their defaults (config.yaml may set any of them).
-DEMO_DEFAULTS: dict[str, Any] = {
-    "steps": 8, "seq_len": 2048, "batch_size": 1, "seed": 0, "lr": 3e-3,
-    "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-    "intermediate_size": 128, "cap_fraction": 0.25, "threads_per_rank": 0,
-}
+from cp_core.cli.app import AppSpec, run_app, validate_section, with_app_cp_size
+
+_log = logging.getLogger(__name__)
 
 
-def compose_config(overrides: Sequence[str]) -> Any:
-    """The Hydra config of the demo: ``configs/config.yaml`` plus every installed backend in
-    the ``cp`` group, the demo's defaults, then ``overrides``."""
-    from hydra import compose, initialize, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+class DemoConfig(BaseModel):
+    """The ``demo:`` section (``demo.<key>=<value>`` on the command line)."""
 
-    from cp_core.hydra_config import find_config_dir, register_backend_configs
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    config_dir = find_config_dir()
-    register_backend_configs(config_dir)
-    GlobalHydra.instance().clear()
-    all_overrides = [*DEMO_DEFAULT_OVERRIDES, *overrides]
-    if config_dir is not None:
-        with initialize_config_dir(version_base=None, config_dir=str(config_dir)):
-            return compose(config_name="config", overrides=all_overrides)
-    with initialize(version_base=None, config_path=None):
-        return compose(config_name="config", overrides=all_overrides)
-
-
-def demo_settings(cfg: Any) -> dict[str, Any]:
-    """The ``demo:`` section merged over :data:`DEMO_DEFAULTS`; unknown keys are an error."""
-    from omegaconf import OmegaConf
-
-    from cp_core.errors import CPConfigError
-
-    given = OmegaConf.to_container(cfg.get("demo") or {}, resolve=True) or {}
-    unknown = sorted(set(given) - set(DEMO_DEFAULTS))  # type: ignore[arg-type]
-    if unknown:
-        raise CPConfigError(f"unknown demo key(s) {unknown}; valid keys: {sorted(DEMO_DEFAULTS)}")
-    return {**DEMO_DEFAULTS, **given}  # type: ignore[dict-item]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    steps: int = Field(8, ge=1)
+    """Training steps."""
+    seq_len: int = Field(2048, ge=1)
+    """Tokens per packed row."""
+    batch_size: int = Field(1, ge=1)
+    """Rows per batch."""
+    seed: int = 0
+    """Seeds the batches (step i uses seed + i) and the model init."""
+    lr: float = Field(3e-3, gt=0)
+    """AdamW learning rate (CP run and CP=1 copy alike)."""
+    cap_fraction: float = Field(0.25, gt=0, le=1)
+    """Longest document as a fraction of the row."""
+    vocab_size: int = Field(256, ge=2)
+    """Reference decoder: vocabulary size."""
+    hidden_size: int = Field(64, ge=1)
+    """Reference decoder: hidden size."""
+    num_layers: int = Field(2, ge=1)
+    """Reference decoder: layers."""
+    num_heads: int = Field(4, ge=1)
+    """Reference decoder: query heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Reference decoder: key/value heads (a divisor of num_heads)."""
+    intermediate_size: int = Field(128, ge=1)
+    """Reference decoder: MLP width."""
+    threads_per_rank: int = Field(0, ge=0)
+    """Torch threads per rank; 0 = CPU cores / cp.size."""
 
 
-def launch(overrides: Sequence[str]) -> int:
-    """Validate the overrides, then run the demo under torchrun with ``cp.size`` ranks."""
-    from omegaconf import OmegaConf
+#: Keys of the ``demo:`` section with their defaults.
+DEMO_DEFAULTS: dict[str, Any] = DemoConfig().model_dump()
+
+SPEC = AppSpec(
+    prog="cp-demo", config_name="cp_demo", sections={"demo": DemoConfig},
+    summary=("a short CP training run of the reference decoder on CPU (gloo): the CP loss of "
+             "every step next to the CP=1 loss of the same batch, then each rank's tokens, pad, "
+             "attention work and step time. Starts cp.size processes (torch's elastic "
+             "launcher), or runs as one rank under torchrun."),
+)
+
+
+def _under_torchrun() -> bool:
+    """True when a torch launcher started this process as one rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def launch(cp: Mapping[str, Any], demo: Mapping[str, Any]) -> dict[str, Any]:
+    """Run :func:`run_rank` on ``cp.size`` local gloo processes; rank 0's summary."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from cp_core.registry import resolve_config
 
-    cfg = compose_config(overrides)
-    demo_settings(cfg)
-    _, cp_cfg = resolve_config(OmegaConf.to_container(cfg.cp, resolve=True))  # fail early
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-           f"--nproc_per_node={cp_cfg.size}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "cp_core.cli.demo", *overrides]
-    return subprocess.call(cmd, env=env)
+    _, cp_cfg = resolve_config(cp)  # the job's own check, before any process starts
+    assert cp_cfg.size is not None
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(cp_cfg.size),
+                          run_id=f"cp-demo-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    results = elastic_launch(config, run_rank)(dict(cp), dict(demo))
+    return results[0]
+
+
+def _task(cfg: Any) -> None:
+    """One cp-demo job: launch (or be) the ranks, then log the report and save the numbers."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    demo = validate_section("demo", DemoConfig, data.get("demo")).model_dump()
+    cp = dict(data.get("cp") or {})
+    if _under_torchrun():
+        summary = run_rank(cp, demo)
+        if summary is None:
+            return
+    else:
+        summary = launch(with_app_cp_size(cp), demo)
+    _log.info(summary["report"])
+    out = Path(HydraConfig.get().runtime.output_dir, "cp_demo.json")
+    out.write_text(json.dumps({k: v for k, v in summary.items() if k != "report"}, indent=2))
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -127,11 +159,10 @@ def _local_stats(sharder: Any, local: dict[str, Any], plan: Any) -> tuple[int, i
     return tokens, pads, work
 
 
-def run_rank(overrides: Sequence[str]) -> int:
-    """The per-rank body (inside torchrun): train, compare with CP=1 on rank 0, report."""
+def run_rank(cp: Mapping[str, Any], demo: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The per-rank body: train, compare with CP=1 on rank 0, report; rank 0's summary."""
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_core.attention.intercept import active_plan
@@ -140,15 +171,14 @@ def run_rank(overrides: Sequence[str]) -> int:
     from cp_core.testing.parity import identity_sharder, relative_error, training_step
     from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
 
-    cfg = compose_config(overrides)
-    demo = demo_settings(cfg)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = int(demo["threads_per_rank"]) or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    backend, cp_cfg = resolve_config(OmegaConf.to_container(cfg.cp, resolve=True))
-    sharder = build_sharder(cp_cfg, mesh)
+    backend, _ = resolve_config(cp)
+    sharder = build_sharder(cp, mesh)  # cp.size unset: the world size; set: checked against it
+    cp_cfg = backend.make_config({**cp, "size": world})
     model_cfg = ReferenceModelConfig(
         vocab_size=demo["vocab_size"], hidden_size=demo["hidden_size"],
         num_layers=demo["num_layers"], num_heads=demo["num_heads"],
@@ -166,6 +196,7 @@ def run_rank(overrides: Sequence[str]) -> int:
               f"{model_cfg.num_kv_heads}; {demo['steps']} steps of {demo['batch_size']} x "
               f"{demo['seq_len']} packed tokens", flush=True)
     steps, step_ms, worst = int(demo["steps"]), [], 0.0
+    losses: list[dict[str, float]] = []
     tokens = pads = 0
     work: int | None = None
     forward_plan: list[Any] = []
@@ -201,6 +232,7 @@ def run_rank(overrides: Sequence[str]) -> int:
             ref_opt.step()
             diff = result.loss - ref.loss
             worst = max(worst, relative_error(result.loss, ref.loss))
+            losses.append({"cp": float(result.loss), "cp1": float(ref.loss)})
             print(f"{_bar(step + 1, steps)}  step {step + 1:>2}  cp loss {result.loss:.6f}  "
                   f"cp=1 loss {ref.loss:.6f}  diff {diff:+.2e}  ({step_ms[-1]:.0f} ms)",
                   flush=True)
@@ -209,50 +241,45 @@ def run_rank(overrides: Sequence[str]) -> int:
     mine = RankStats(rank, tokens, pads, work, mean_ms)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        _report(everyone, worst)
     # Every rank leaves together: a gloo rank tearing down while a peer still talks to it
     # can abort the peer.
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    if rank != 0:
+        return None
+    return {"backend": backend.name, "cp_size": world, "losses": losses,
+            "worst_relative_difference": worst, "ranks": [asdict(x) for x in everyone],
+            "report": _report(everyone, worst)}
 
 
-def _report(stats: list[RankStats], worst_rel: float) -> None:
+def _report(stats: list[RankStats], worst_rel: float) -> str:
+    """The per-rank table and the verdict on the CP=1 comparison."""
     works = [s.work for s in stats]
     total = sum(w for w in works if w is not None) if all(w is not None for w in works) else None
-    print("\nper rank (last step; step time = mean after the first step)")
-    print(f"{'rank':>4} {'tokens':>8} {'pad':>6} {'attention work':>15} {'share':>7} "
-          f"{'step ms':>8}")
+    lines = ["", "per rank (last step; step time = mean after the first step)",
+             f"{'rank':>4} {'tokens':>8} {'pad':>6} {'attention work':>15} {'share':>7} "
+             f"{'step ms':>8}"]
     for s in stats:
         share = f"{100 * s.work / total:6.1f}%" if total else "    n/a"
         work = f"{s.work:>15,}" if s.work is not None else f"{'n/a':>15}"
-        print(f"{s.rank:>4} {s.tokens:>8} {s.pad_tokens:>6} {work} {share} {s.step_ms:>8.1f}")
+        lines.append(f"{s.rank:>4} {s.tokens:>8} {s.pad_tokens:>6} {work} {share} "
+                     f"{s.step_ms:>8.1f}")
     if total:
         mean = total / len(stats)
-        print(f"attention work max/mean {max(works) / mean:.4f}")  # type: ignore[type-var]
+        lines.append(f"attention work max/mean {max(works) / mean:.4f}")  # type: ignore[type-var]
     verdict = "matches" if worst_rel <= 1e-5 else "DIFFERS FROM"
-    print(f"CP loss {verdict} the CP=1 loss: worst relative difference {worst_rel:.2e} "
-          "(fp32 bar 1e-5)")
+    lines.append(f"CP loss {verdict} the CP=1 loss: worst relative difference {worst_rel:.2e} "
+                 "(fp32 bar 1e-5)")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: launch under torchrun, or run as one rank when torchrun started us."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
-        return run_rank(args)
-    try:
-        return launch(args)
-    except Exception as exc:  # a bad override: say so in one line, start no process
-        from hydra.errors import HydraException
-
-        from cp_core.errors import CPError
-
-        if not isinstance(exc, (CPError, HydraException)):
-            raise
-        print(f"cp-demo: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    """Console entry point of ``cp-demo`` (and ``tools/demo.py``); returns the exit code."""
+    return run_app(SPEC, _task, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = ["DemoConfig", "DEMO_DEFAULTS", "SPEC", "launch", "run_rank", "main"]

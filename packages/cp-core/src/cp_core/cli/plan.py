@@ -16,6 +16,7 @@ The batch is simulated on every rank in one process; no ``torch.distributed`` is
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -23,8 +24,11 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cp_core.cli.app import AppSpec, CLIUsageError, run_app, with_app_cp_size
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.planning import LayoutPlan, plan_layout
+
+_log = logging.getLogger(__name__)
 
 #: Vocabulary of the synthetic token ids (their values never change a plan).
 _VOCAB = 1000
@@ -161,11 +165,16 @@ def format_comparison(results: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: Install line of the extra that draws the picture.
+PLOT_INSTALL = "pip install 'cp-core[plot]'"
+
+
 def plan_from_config(cp: Mapping[str, Any], plan: Mapping[str, Any] | None = None,
                      plot_suffix: str = "") -> tuple[LayoutPlan, str]:
     """Plan the configured batch under the CP config ``cp``; returns the plan and its report
     text. Writes the picture / JSON when ``plan.plot`` / ``plan.json_file`` are set
-    (``plot_suffix`` is inserted before the picture's extension, e.g. per multirun job)."""
+    (``plot_suffix`` is inserted before the picture's extension, e.g. per multirun job).
+    Without matplotlib the report says so and names the install line instead of a picture."""
     pc = parse_plan_config(plan)
     batch, description = load_batch(pc)
     layout_plan = plan_layout(dict(cp), batch)
@@ -174,22 +183,50 @@ def plan_from_config(cp: Mapping[str, Any], plan: Mapping[str, Any] | None = Non
         out = Path(pc.plot).expanduser()
         if plot_suffix:
             out = out.with_name(f"{out.stem}{plot_suffix}{out.suffix or '.png'}")
-        from cp_core.cli.plot import draw_layout
+        try:
+            from cp_core.cli.plot import draw_layout
 
-        w, h = draw_layout(layout_plan, out,
-                           title=f"{layout_plan.backend}, cp={layout_plan.cp_size}: {description}")
-        text += f"\nlayout picture: {out} ({w}x{h} px)"
+            w, h = draw_layout(layout_plan, out, title=f"{layout_plan.backend}, "
+                               f"cp={layout_plan.cp_size}: {description}")
+            text += f"\nlayout picture: {out} ({w}x{h} px)"
+        except ImportError as exc:
+            if not (exc.name or "").startswith("matplotlib"):
+                raise
+            text += (f"\nlayout picture not drawn: --plot needs matplotlib; install it with: "
+                     f"{PLOT_INSTALL}")
     if pc.json_file:
         Path(pc.json_file).expanduser().write_text(json.dumps(layout_plan.to_dict(), indent=2))
     return layout_plan, text
 
 
-# Summaries of the jobs of this process, for the comparison table that ends a multirun
-# (Hydra's default launcher runs every job in this process, in order).
+def _validate(data: Mapping[str, Any]) -> None:
+    """A single run's checks beyond the models: where the batch comes from."""
+    pc = parse_plan_config(data.get("plan"))
+    if _source(pc) == "file" and not Path(str(pc.batch_file)).expanduser().is_file():
+        raise CPConfigError(f"plan.batch_file={pc.batch_file} does not exist; give the path of a "
+                            "torch.save'd batch dict")
+
+
+SPEC = AppSpec(
+    prog="cp-plan", config_name="cp_plan", sections={"plan": PlanConfig},
+    summary=("show how a CP backend lays one batch out across ranks: per rank the token "
+             "slots, pad slots and attention work (allowed query/key pairs), then the balance. "
+             "Every rank is simulated in this process; no torch.distributed is needed."),
+    flags=(("--plot FILE.png", "draw the layout (alias of plan.plot=FILE.png); needs "
+            f"matplotlib: {PLOT_INSTALL}"),
+           ("--explain", "list the installed backends, what each serves and which are legal "
+            "for the given cp.size / plan.seq_len / explain.heads=<n>; runs nothing")),
+    validate=_validate,
+)
+
+#: Summaries of this process's jobs, for the table that ends a multirun (Hydra's default
+#: launcher runs every job in this process, in order), and the sweep directory it goes to.
 _RESULTS: list[dict[str, Any]] = []
+_SWEEP_DIR: list[str] = []
 
 
 def _task(cfg: Any) -> None:
+    """One cp-plan job: plan, log the report (console and the job's cp_plan.log), save JSON."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf
@@ -198,13 +235,15 @@ def _task(cfg: Any) -> None:
     assert isinstance(data, dict)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    cp = data.get("cp") or {}
+    cp = with_app_cp_size(data.get("cp") or {})
     suffix = f"-{cp.get('backend')}-cp{cp.get('size')}" if multirun else ""
     layout_plan, text = plan_from_config(cp, data.get("plan"), plot_suffix=suffix)
-    print(text, flush=True)
+    _log.info(text)
     summary = layout_plan.to_dict()
     Path(hc.runtime.output_dir, "cp_plan.json").write_text(json.dumps(summary, indent=2))
     _RESULTS.append(summary)
+    if multirun:
+        _SWEEP_DIR[:] = [str(hc.sweep.dir)]
 
 
 def _rewrite_argv(argv: list[str]) -> list[str]:
@@ -216,7 +255,7 @@ def _rewrite_argv(argv: list[str]) -> list[str]:
         if arg == "--plot" or arg.startswith("--plot="):
             if arg == "--plot":
                 if i + 1 >= len(argv):
-                    raise SystemExit("cp-plan: --plot needs a file name, e.g. --plot layout.png")
+                    raise CLIUsageError("--plot needs a file name, e.g. --plot layout.png")
                 value, i = argv[i + 1], i + 2
             else:
                 value, i = arg.split("=", 1)[1], i + 1
@@ -228,33 +267,42 @@ def _rewrite_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _fallback_primary() -> dict[str, Any]:
-    """Primary config when no ``configs/`` directory is found (an installed wheel)."""
-    return {"defaults": [{"cp": "round_robin"}, "_self_"],
-            "plan": PlanConfig().model_dump(mode="json")}
+def _save_comparison(table: str) -> str | None:
+    """Write the multirun table (text and JSON) into the sweep directory; its path."""
+    if not _SWEEP_DIR:
+        return None
+    folder = Path(_SWEEP_DIR[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "comparison.txt").write_text(table + "\n")
+    (folder / "comparison.json").write_text(json.dumps(_RESULTS, indent=2))
+    return str(folder / "comparison.txt")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point of ``cp-plan``."""
-    from cp_core.hydra_config import find_config_dir, run_hydra_app
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of ``cp-plan``; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--explain" in args:
+        from cp_core.cli.explain import explain_main
 
-    sys.argv = [sys.argv[0], *_rewrite_argv(list(sys.argv[1:] if argv is None else argv))]
-    config_name = "config"
-    if find_config_dir() is None:
-        from hydra.core.config_store import ConfigStore
-
-        ConfigStore.instance().store(name="cp_plan", node=_fallback_primary())
-        config_name = "cp_plan"
+        return explain_main(SPEC, [a for a in args if a != "--explain"])
+    try:
+        args = _rewrite_argv(args)
+    except CLIUsageError as exc:
+        print(f"cp-plan: error: {exc}", file=sys.stderr)
+        return 2
     _RESULTS.clear()
-    run_hydra_app(_task, config_name=config_name)
+    _SWEEP_DIR.clear()
+    code = run_app(SPEC, _task, args)
     if len(_RESULTS) > 1:
-        print()
-        print(format_comparison(_RESULTS), flush=True)
+        table = format_comparison(_RESULTS)
+        saved = _save_comparison(table)
+        print(f"\n{table}" + (f"\n(saved to {saved})" if saved else ""), flush=True)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    sys.exit(main())
 
 
 __all__ = ["PlanConfig", "parse_plan_config", "load_batch", "format_plan", "format_comparison",
-           "plan_from_config", "main"]
+           "plan_from_config", "PLOT_INSTALL", "SPEC", "main"]
