@@ -37,14 +37,16 @@ def explicit_mask(doc: torch.Tensor, pos: torch.Tensor, kind: str, q_index: list
                   chunk: int | None = None) -> torch.Tensor:
     """Bool ``[B, len(q_index), len(k_index)]`` built pair by pair from the definitions."""
     bsz = doc.shape[0]
-    out = torch.zeros(bsz, len(q_index), len(k_index), dtype=torch.bool)
+    out = [[[False] * len(k_index) for _ in q_index] for _ in range(bsz)]
+    # Plain lists: indexing a tensor element by element costs microseconds per pair.
+    doc_l, pos_l = doc.tolist(), pos.tolist()
     for b in range(bsz):
         for i, qi in enumerate(q_index):
             for j, kj in enumerate(k_index):
-                dq, dk = int(doc[b, qi]), int(doc[b, kj])
+                dq, dk = doc_l[b][qi], doc_l[b][kj]
                 if dk == 0 or dq != dk:
                     continue
-                pq, pk = int(pos[b, qi]), int(pos[b, kj])
+                pq, pk = pos_l[b][qi], pos_l[b][kj]
                 if kind == "bidirectional":
                     ok = True
                 elif kind == "causal":
@@ -55,8 +57,8 @@ def explicit_mask(doc: torch.Tensor, pos: torch.Tensor, kind: str, q_index: list
                     ok = pk <= pq and pq // chunk == pk // chunk
                 else:
                     raise ValueError(kind)
-                out[b, i, j] = ok
-    return out
+                out[b][i][j] = ok
+    return torch.tensor(out, dtype=torch.bool).reshape(bsz, len(q_index), len(k_index))
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,

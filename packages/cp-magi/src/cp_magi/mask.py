@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cp_core.attention.rects import INF, BandRects
 from cp_core.errors import CPBatchError, CPConfigError
 
 MASK_TYPES: tuple[str, ...] = ("full", "causal", "inv_causal", "bi_causal")
@@ -266,6 +267,23 @@ class RectangleTokenMask:
         for d in range(1, lo.shape[1]):
             allowed |= (k >= lo[:, d:d + 1]) & (k <= hi[:, d:d + 1])
         return allowed.unsqueeze(0)
+
+    def attention_rects(self) -> BandRects:
+        """The rectangles as cp-core band rectangles over the flat stream (the runtime's plan).
+
+        ``causal`` (bottom-right aligned) bounds ``k - q <= ke - qe``; ``inv_causal`` bounds
+        ``k - q >= ks - qs``; ``bi_causal`` both; ``full`` neither.
+        """
+        r = self.rects
+        n = len(r)
+        out = np.empty((n, 7), dtype=np.int64)
+        out[:, 0] = -1
+        out[:, 1:3], out[:, 3:5] = r.q_ranges, r.k_ranges
+        upper = (r.types == CAUSAL) | (r.types == BI_CAUSAL)
+        lower = (r.types == INV_CAUSAL) | (r.types == BI_CAUSAL)
+        out[:, 5] = np.where(lower, r.k_ranges[:, 0] - r.q_ranges[:, 0], -INF)
+        out[:, 6] = np.where(upper, r.k_ranges[:, 1] - r.q_ranges[:, 1], INF)
+        return BandRects(out, 1)
 
 
 __all__ = ["MASK_TYPES", "AttnRectangles", "RectangleTokenMask"]

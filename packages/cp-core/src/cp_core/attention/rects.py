@@ -61,6 +61,8 @@ class RectangleMask(Protocol):
 
 def band_area(qs: int, qe: int, ks: int, ke: int, dlo: int, dhi: int) -> int:
     """Allowed pairs of one rectangle: for every row, the length of its key interval."""
+    if dlo > dhi:
+        return 0
     total = 0
     # Rows split into at most three stretches where each bound is either clamped or sliding;
     # summing row by row would be O(rows), so sum the arithmetic series per stretch instead.

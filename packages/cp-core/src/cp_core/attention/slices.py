@@ -87,6 +87,8 @@ class Piece:
 def _tighten(qs: int, qe: int, ks: int, ke: int, dlo: int, dhi: int
              ) -> tuple[int, int, int, int, int, int] | None:
     """The smallest box of the same band with every row and key used; inactive bounds off."""
+    if dlo > dhi:
+        return None
     qs, qe = max(qs, ks - dhi), min(qe, ke - dlo)
     if qs >= qe:
         return None
