@@ -9,24 +9,11 @@ import torch
 from cp_blockdiag import (
     make_blockdiag_batch_and_ctx,
     make_contiguous_aux_only_batch_and_ctx,
-    resolve_document_ids,
 )
-from cp_blockdiag.documents import positions_in_document
 from cp_core import SimulatedCPMesh
+from cp_core.testing.forms import block_causal_mask as _block_causal
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.registry import build_sharder, resolve_config
-
-
-def _block_causal(ids: torch.Tensor) -> torch.Tensor:
-    """Reference 4-D mask ``[B, 1, S, S]`` written out with loops (True == attend)."""
-    bsz, seq = ids.shape
-    m = torch.zeros(bsz, 1, seq, seq, dtype=torch.bool)
-    for b in range(bsz):
-        for i in range(seq):
-            for j in range(i + 1):
-                if ids[b, i] != 0 and ids[b, i] == ids[b, j]:
-                    m[b, 0, i, j] = True
-    return m
 
 
 IDS = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0],
@@ -35,80 +22,6 @@ IDS = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0],
 
 def _embeds(bsz: int = 2, seq: int = 11, hidden: int = 4) -> torch.Tensor:
     return torch.randn(bsz, seq, hidden, generator=torch.Generator().manual_seed(0))
-
-
-# -- document ids from each source ---------------------------------------------------------------
-
-
-def test_ids_from_packed_seq_ids() -> None:
-    ids, src = resolve_document_ids({"_packed_seq_ids": IDS}, 2, 11, torch.device("cpu"))
-    assert src == "_packed_seq_ids" and torch.equal(ids, IDS)
-
-
-def test_ids_from_4d_bool_mask() -> None:
-    ids, src = resolve_document_ids({"attention_mask": _block_causal(IDS)}, 2, 11,
-                                    torch.device("cpu"))
-    assert src == "attention_mask_4d" and torch.equal(ids, IDS)
-
-
-def test_ids_from_4d_additive_float_mask() -> None:
-    additive = torch.where(_block_causal(IDS), 0.0, torch.finfo(torch.float32).min)
-    ids, _ = resolve_document_ids({"attention_mask": additive}, 2, 11, torch.device("cpu"))
-    assert torch.equal(ids, IDS)
-
-
-def test_ids_from_4d_mask_with_left_padding_and_hole() -> None:
-    left = torch.tensor([[0, 0, 1, 1, 2, 2, 2, 0, 3]])
-    ids, _ = resolve_document_ids({"attention_mask": _block_causal(left)}, 1, 9,
-                                  torch.device("cpu"))
-    assert torch.equal(ids, left)
-
-
-def test_4d_mask_that_is_not_block_causal_is_refused() -> None:
-    mask = _block_causal(IDS)
-    mask[0, 0, 5, 1] = True  # document 2 peeks into document 1
-    with pytest.raises(CPBatchError, match=r"not block-causal: row 0, query 5, key 1"):
-        resolve_document_ids({"attention_mask": mask}, 2, 11, torch.device("cpu"))
-    bidir = _block_causal(IDS) | _block_causal(IDS).transpose(-1, -2)
-    with pytest.raises(CPBatchError, match="not block-causal"):
-        resolve_document_ids({"attention_mask": bidir}, 2, 11, torch.device("cpu"))
-
-
-def test_4d_mask_of_wrong_shape_names_it() -> None:
-    with pytest.raises(CPBatchError, match=r"\(2, 2, 11, 11\).*\[B, 1, S, S\]"):
-        resolve_document_ids({"attention_mask": torch.ones(2, 2, 11, 11, dtype=torch.bool)}, 2,
-                             11, torch.device("cpu"))
-
-
-def test_ids_from_2d_validity_and_indexed_masks() -> None:
-    valid = (IDS > 0).long()
-    ids, src = resolve_document_ids({"attention_mask": valid}, 2, 11, torch.device("cpu"))
-    assert src == "attention_mask_2d" and torch.equal(ids, valid)
-    ids, _ = resolve_document_ids({"attention_mask": IDS}, 2, 11, torch.device("cpu"))
-    assert torch.equal(ids, IDS)  # an indexed mask carries document ids itself
-
-
-def test_ids_default_to_one_document_and_respect_padding_mask() -> None:
-    ids, src = resolve_document_ids({}, 2, 5, torch.device("cpu"))
-    assert src == "single_document" and torch.equal(ids, torch.ones(2, 5, dtype=torch.long))
-    pad = torch.tensor([[False] * 3 + [True] * 2] * 2)
-    ids, _ = resolve_document_ids({"padding_mask": pad}, 2, 5, torch.device("cpu"))
-    assert torch.equal(ids, (~pad).long())
-
-
-def test_packed_seq_ids_win_over_masks_and_bad_ids_raise() -> None:
-    ids, src = resolve_document_ids(
-        {"_packed_seq_ids": IDS, "attention_mask": torch.ones(2, 1, 11, 11)}, 2, 11,
-        torch.device("cpu"))
-    assert src == "_packed_seq_ids" and torch.equal(ids, IDS)
-    with pytest.raises(CPBatchError, match="not contiguous runs"):
-        resolve_document_ids({"_packed_seq_ids": torch.tensor([[1, 2, 1]])}, 1, 3,
-                             torch.device("cpu"))
-
-
-def test_positions_in_document_survive_pad_holes() -> None:
-    ids = torch.tensor([[1, 1, 0, 1, 2, 2]])
-    assert positions_in_document(ids)[0, [0, 1, 3, 4, 5]].tolist() == [0, 1, 3, 0, 1]
 
 
 # -- sharding ------------------------------------------------------------------------------------
@@ -122,7 +35,7 @@ def _shard(cp: int, batch: dict, **kw):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_contiguous_chunks_and_pad_fills(cp: int) -> None:
     emb = _embeds()
-    labels = torch.arange(22).view(2, 11)
+    labels = torch.arange(22).view(2, 11).masked_fill(IDS == 0, -100)  # pad carries no label
     loss_mask = torch.full((2, 11), 0.5)
     batch = {"inputs_embeds": emb, "labels": labels, "_packed_seq_ids": IDS}
     padded = -(-11 // cp) * cp
@@ -198,7 +111,8 @@ def test_input_ids_are_accepted_and_padded_with_pad_token() -> None:
 
 def test_caller_batch_is_not_mutated_even_on_error() -> None:
     mask = _block_causal(IDS)
-    batch = {"inputs_embeds": _embeds(), "attention_mask": mask, "labels": IDS.clone()}
+    batch = {"inputs_embeds": _embeds(), "attention_mask": mask,
+             "labels": IDS.masked_fill(IDS == 0, -100)}
     keys = dict(batch)
     make_blockdiag_batch_and_ctx(SimulatedCPMesh(0, 2), None, batch)
     assert batch.keys() == keys.keys() and all(batch[k] is keys[k] for k in keys)
@@ -252,7 +166,8 @@ def test_aux_only_leaves_primary_full_and_synthesizes_seq_ids(cp: int, pad_multi
 def test_aux_only_keeps_given_seq_ids_and_shards_extra_keys() -> None:
     ids = torch.ones(2, 11, dtype=torch.long)
     extra = torch.arange(22.0).view(2, 11)
-    batch = {"input_ids": ids, "labels": ids, "_packed_seq_ids": IDS, "token_weights": extra}
+    batch = {"input_ids": ids, "labels": ids.masked_fill(IDS == 0, -100), "_packed_seq_ids": IDS,
+             "token_weights": extra}
     _, local, layout = make_contiguous_aux_only_batch_and_ctx(
         SimulatedCPMesh(0, 2), None, batch, extra_seq_keys={"token_weights": 1},
         extra_pad_values={"token_weights": -1.0})

@@ -1,4 +1,4 @@
-"""The shared boundary parser: trailing pad, sentinels, document ids, and pad holes."""
+"""The boundary lists through the one resolver: trailing pad, sentinels, document ids, holes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 
 from cp_core import SimulatedCPMesh
 from cp_core.attention.intercept import active_plan
-from cp_core.boundaries import resolve_segments, segment_document_ids
-from cp_core.documents import document_positions
+from cp_core.documents import document_positions, resolve_documents
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
 from cp_core.testing.multirank import load_module_file
@@ -21,22 +20,25 @@ _reference = load_module_file(Path(__file__).with_name("attention_reference.py")
 _ids_by_hand = _reference.doc_ids_from_lengths
 
 
+TOKENS = {"input_ids": torch.ones(2, 8, dtype=torch.long)}
+
+
+def _ids(batch: dict, **kw: object) -> torch.Tensor:
+    return resolve_documents({**TOKENS, **batch}, **kw).ids  # type: ignore[arg-type]
+
+
 def test_trailing_pad_allows_rows_that_end_early() -> None:
+    # One rule on every backend: a row's documents may end early, the rest is pad.
     batch = {"seq_lens": torch.tensor([[3, 2, -1000], [4, -1000, -1000]])}
-    with pytest.raises(CPBatchError):
-        resolve_segments(batch, 2, 8, CPU)  # te's rule: documents fill the row exactly
-    segs = resolve_segments(batch, 2, 8, CPU, trailing_pad=True)
-    ids = segment_document_ids(segs)
-    assert torch.equal(ids, _ids_by_hand([[3, 2], [4]], 8))
-    assert int(segs.span.sum()) == 16  # the spans tile both rows, pad included
+    assert torch.equal(_ids(batch), _ids_by_hand([[3, 2], [4]], 8))
 
 
 def test_sentinel_none_accepts_any_negative_end_marker() -> None:
-    batch = {"seq_lens": torch.tensor([[3, 5, -1]])}
-    segs = resolve_segments(batch, 1, 8, CPU, sentinel=None)
-    assert torch.equal(segment_document_ids(segs), _ids_by_hand([[3, 5]], 8))
+    one = {"input_ids": torch.ones(1, 8, dtype=torch.long)}
+    batch = {**one, "seq_lens": torch.tensor([[3, 5, -1]])}
+    assert torch.equal(resolve_documents(batch, sentinel=None).ids, _ids_by_hand([[3, 5]], 8))
     with pytest.raises(CPBatchError, match="sentinel"):
-        resolve_segments({"seq_lens": torch.tensor([[3, -1, 5]])}, 1, 8, CPU, sentinel=None)
+        resolve_documents({**one, "seq_lens": torch.tensor([[3, -1, 5]])}, sentinel=None)
 
 
 def test_every_source_gives_the_same_document_ids() -> None:
@@ -50,7 +52,7 @@ def test_every_source_gives_the_same_document_ids() -> None:
         {"position_ids": pos},
     ]
     for batch in sources:
-        assert torch.equal(segment_document_ids(resolve_segments(batch, 2, 8, CPU)), want), batch
+        assert torch.equal(_ids(batch), want), batch
 
 
 def test_pad_hole_inside_a_document_keeps_positions_counting() -> None:
@@ -61,7 +63,8 @@ def test_pad_hole_inside_a_document_keeps_positions_counting() -> None:
 @pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
 def test_pad_hole_never_lets_a_query_see_a_later_key(backend: str) -> None:
     ids = torch.tensor([[1, 1, 0, 1, 1, 2, 2, 2]])
-    batch = {"input_ids": torch.arange(8).view(1, 8), "labels": torch.arange(8).view(1, 8),
+    batch = {"input_ids": torch.arange(8).view(1, 8),
+             "labels": torch.arange(8).view(1, 8).masked_fill(ids == 0, -100),
              "_packed_seq_ids": ids}
     sharder = build_sharder({"backend": backend, "size": 2}, SimulatedCPMesh(0, 2))
     ctx, _ = sharder.shard(batch)

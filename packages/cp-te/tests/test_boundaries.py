@@ -1,4 +1,6 @@
-"""Document boundaries from every source give one layout; bad or conflicting ones raise."""
+"""Document boundaries from every source give one THD layout; bad or conflicting ones raise.
+
+The documents come from cp-core's one resolver; these are the THD-specific consequences."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from cp_core import SimulatedCPMesh
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
-from cp_core.boundaries import resolve_segments
+from cp_te import document_segments
 
 # Two rows of S=20: (real length, padded length) per document; the second row has pad after
 # its first document and at its end.
@@ -66,8 +68,7 @@ def _sources(docs: list[list[tuple[int, int]]] = DOCS) -> dict[str, dict[str, An
 
 
 def test_every_source_gives_the_same_segments() -> None:
-    segs = {name: resolve_segments({**_base(), **src}, 2, S, torch.device("cpu"))
-            for name, src in _sources().items()}
+    segs = {name: document_segments({**_base(), **src})[1] for name, src in _sources().items()}
     first = segs["seq_lens lists"]
     assert first.row.tolist() == [0, 0, 0, 1, 1, 1]
     assert first.length.tolist() == [5, 9, 6, 4, 3, 8]
@@ -95,29 +96,30 @@ def test_every_source_gives_the_same_layout(cp: int) -> None:
 def test_position_ids_alone_are_a_source() -> None:
     docs = [[(5, 5), (9, 9), (6, 6)], [(7, 7), (13, 13)]]
     _, pos = _ids_and_positions(docs)
-    segs = resolve_segments({**_base(docs), "position_ids": pos}, 2, S, torch.device("cpu"))
-    assert segs.source == "position_ids"
+    docs_found, segs = document_segments({**_base(docs), "position_ids": pos})
+    assert docs_found.source == "position_ids"
     assert segs.span.tolist() == [5, 9, 6, 7, 13] and segs.length.tolist() == [5, 9, 6, 7, 13]
 
 
 def test_no_source_is_one_document_per_row() -> None:
-    segs = resolve_segments(_base(), 2, S, torch.device("cpu"))
-    assert segs.source == "row" and segs.span.tolist() == [S, S]
+    found, segs = document_segments(_base())
+    assert found.source == "single_document" and segs.span.tolist() == [S, S]
 
 
 def test_leading_pad_of_packed_ids_is_a_pad_only_segment() -> None:
     ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 0]])
-    segs = resolve_segments({"_packed_seq_ids": ids}, 1, 8, torch.device("cpu"))
+    segs = document_segments({"input_ids": torch.ones(1, 8, dtype=torch.long),
+                              "_packed_seq_ids": ids})[1]
     assert segs.length.tolist() == [0, 3, 2] and segs.span.tolist() == [2, 3, 3]
 
 
 def test_conflicting_sources_raise() -> None:
     src = _sources()
     batch = {**_base(), "seq_lens": [[5, 9, 6], [4, 3, 8]],
-             "seq_lens_padded": [[5, 9, 6], [4, 3, 13]],
+             "seq_lens_padded": [[5, 9, 6], [7, 3, 10]], "cu_seqlens": [[0, 5, 14, 20]] * 2,
              "_packed_seq_ids": src["_packed_seq_ids"]["_packed_seq_ids"]}
-    with pytest.raises(CPBatchError, match="conflicting.*seq_lens.*_packed_seq_ids"):
-        resolve_segments(batch, 2, S, torch.device("cpu"))
+    with pytest.raises(CPBatchError, match="conflicting.*_packed_seq_ids.*cu_seqlens"):
+        document_segments(batch)
 
 
 def test_position_ids_restarting_elsewhere_conflict() -> None:
@@ -125,19 +127,19 @@ def test_position_ids_restarting_elsewhere_conflict() -> None:
     pos = pos.clone()
     pos[0, 3] = 0  # a restart inside the first document of row 0
     batch = {**_base(), **_sources()["seq_lens lists"], "position_ids": pos}
-    with pytest.raises(CPBatchError, match="conflicting.*position_ids.*row 0, token 3"):
-        resolve_segments(batch, 2, S, torch.device("cpu"))
+    with pytest.raises(CPBatchError, match="conflicting.*seq_lens.*position_ids.*row 0, token 3"):
+        document_segments(batch)
 
 
 BAD = {
     "cu not increasing": ({"cu_seqlens": [[0, 9, 5, 20]] * 2}, "cu_seqlens.*strictly increasing"),
-    "cu beyond the row": ({"cu_seqlens": [[0, 9, 24]] * 2}, "cu_seqlens.*end at the row length"),
-    "cu short of the row": ({"cu_seqlens": [[0, 9, 18]] * 2}, "end at the row length S=20"),
+    "cu beyond the row": ({"cu_seqlens": [[0, 9, 24]] * 2},
+                          "cu_seqlens.*end at or before the row length"),
     "cu not from 0": ({"cu_seqlens": [[2, 9, 20]] * 2}, "must start at 0"),
     "flat cu crossing rows": ({"cu_seqlens": [0, 15, 25, 40]}, "crosses the end of row 0"),
-    "flat cu short": ({"cu_seqlens": [0, 15, 20, 38]}, "end at the stream length"),
+    "flat cu beyond": ({"cu_seqlens": [0, 15, 20, 42]}, "end at or before the stream length"),
     "negative length": ({"seq_lens": [[5, -3, 18], [20]]}, "seq_lens.*row 0.*>= 0"),
-    "lengths short of the row": ({"seq_lens": [[5, 9], [20]]}, "adds up to 14.*S=20"),
+    "lengths beyond the row": ({"seq_lens": [[5, 19], [20]]}, "adds up to 24.*S=20"),
     "sentinel in the middle": ({"seq_lens": [[5, -1000, 15], [20, -1000, -1000]]},
                                "sentinel -1000.*only be followed by more sentinels"),
     "real longer than padded": ({"seq_lens": [[6, 14], [20]], "seq_lens_padded": [[5, 15], [20]]},
@@ -148,10 +150,7 @@ BAD = {
     "ids not contiguous": ({"_packed_seq_ids": torch.tensor([[1] * 5 + [2] * 5 + [1] * 10,
                                                             [1] * 20])},
                            "contiguous runs"),
-    "ids negative": ({"_packed_seq_ids": torch.full((2, S), -1)}, "negative ids"),
-    "positions with a gap": ({"position_ids": torch.tensor([[0, 1, 2, 4] + list(range(16)),
-                                                           list(range(20))])},
-                             "position_ids.*goes 2 -> 4"),
+    "ids negative": ({"_packed_seq_ids": torch.full((2, S), -1)}, "negative document ids"),
     "float lengths": ({"seq_lens": torch.tensor([[20.0], [20.0]])}, "must hold integers"),
     "wrong rows": ({"seq_lens": [[20]]}, "expected \\[B, D\\] = \\[2, D\\]"),
 }

@@ -29,6 +29,11 @@ def _batch(seed: int) -> tuple[dict[str, Any], list[list[tuple[int, int]]]]:
         docs.append(row)
     input_ids = torch.randint(1, 50, (2, S), generator=gen)
     labels = torch.randint(1, 50, (2, S), generator=gen)
+    for b, row in enumerate(docs):  # pad tokens carry no label (else a contradiction)
+        start = 0
+        for n, p in row:
+            labels[b, start + n:start + p] = -100
+            start += p
     batch = {"input_ids": input_ids, "labels": labels,
              "seq_lens": [[n for n, _ in r] for r in docs],
              "seq_lens_padded": [[p for _, p in r] for r in docs]}
@@ -50,6 +55,17 @@ def _reference_stream(docs: list[list[tuple[int, int]]], cp: int) -> tuple[list,
     return slots, lengths
 
 
+def _row_positions(docs: list[list[tuple[int, int]]], cp: int) -> list[int]:
+    """Per stream slot: the caller column it comes from, or the one it continues."""
+    out: list[int] = []
+    for row in docs:
+        s = 0
+        for _, p in row:
+            out += [s + o for o in range(-(-p // (2 * cp)) * 2 * cp)]
+            s += p
+    return out
+
+
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_local_batch_matches_per_document_reference(cp: int) -> None:
     for seed in range(3):
@@ -65,7 +81,9 @@ def test_local_batch_matches_per_document_reference(cp: int) -> None:
             exp_lab = [batch["labels"][c].item() if c else -100 for c, _, _ in mine]
             assert out["input_ids"].tolist() == exp_ids
             assert out["labels"].tolist() == exp_lab
-            assert out["position_ids"].tolist() == [o for _, o, _ in mine]
+            # No caller positions: each row's arange (cp-core's one rule), continuing
+            # through the per-document pad the layout adds.
+            assert out["position_ids"].tolist() == [_row_positions(docs, cp)[i] for i in idx]
             assert out["padding_mask"].tolist() == [not real for _, _, real in mine]
             cu = [0]
             for q in lengths:
@@ -136,8 +154,11 @@ def test_inputs_embeds_are_sharded_differentiably() -> None:
 def test_loss_mask_and_caller_padding_mask() -> None:
     batch, _ = _batch(0)
     loss_mask = torch.rand(2, S)
-    attn = torch.ones(2, S, dtype=torch.long)
-    attn[1, -2:] = 0  # the caller marks its last two tokens as pad
+    # The caller's mask agrees with the boundary lists' pad (a token both pad and real would
+    # be refused) and marks the last two tokens as pad too.
+    attn = (batch["labels"] != -100).long()
+    attn[1, -2:] = 0
+    batch["labels"][1, -2:] = -100
     sharder = build_sharder({"backend": "te_thd", "size": 2}, SimulatedCPMesh(0, 2))
     _, out = sharder.shard({**batch, "attention_mask": attn}, loss_mask=loss_mask)
     assert "attention_mask" not in out

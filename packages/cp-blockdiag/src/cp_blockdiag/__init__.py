@@ -12,7 +12,6 @@ from cp_blockdiag.batch import (
     make_contiguous_aux_only_batch_and_ctx,
 )
 from cp_blockdiag.config import BlockDiagConfig
-from cp_blockdiag.documents import resolve_document_ids
 from cp_blockdiag.exchange import ExchangeStats, count_exchange
 from cp_blockdiag.routing import build_route, choose_exchange, need_matrix, summarize
 from cp_blockdiag.runtime import BlockDiagState, cp_blockdiag_sdpa, current_state
@@ -33,6 +32,5 @@ __all__ = [
     "make_contiguous_aux_only_batch_and_ctx",
     "make_sharder",
     "need_matrix",
-    "resolve_document_ids",
     "summarize",
 ]

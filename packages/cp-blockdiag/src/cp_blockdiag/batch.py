@@ -14,7 +14,7 @@ the caller's batch:
   when absent (its pad-tail zeros depend on the global length, which a rank's forward cannot
   see).
 
-Document ids come from :func:`cp_blockdiag.documents.resolve_document_ids`; every rank holds
+Document ids come from :func:`cp_core.documents.resolve_documents` (as on every backend); every rank holds
 the full batch, so each computes the same K/V route and exchange without communicating.
 """
 
@@ -26,11 +26,16 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from cp_blockdiag.documents import positions_in_document, resolve_document_ids
 from cp_blockdiag.routing import EXCHANGES, build_route
 from cp_blockdiag.runtime import BlockDiagState, activate_state, blockdiag_transport
 from cp_core.attention.plan import AttentionKind, DocumentMask
-from cp_core.batch import normalize_batch, pad_seq_dim, resolve_primary
+from cp_core.batch import normalize_batch
+from cp_core.documents import (
+    Documents,
+    document_positions,
+    resolve_documents,
+    without_document_keys,
+)
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.framework import make_plan, shard_normalized
 from cp_core.layout import ShardLayout, contiguous_local_indices
@@ -53,41 +58,28 @@ def _check_options(exchange: str, attention: str) -> None:
 
 def _prepare(batch: Mapping[str, Any], loss_mask: torch.Tensor | None,
              extra_seq_keys: Mapping[str, int] | None, synthesize_seq_ids: bool
-             ) -> tuple[Any, torch.Tensor, str]:
-    """Resolve documents on a copy of ``batch`` and normalise it (cp_core conventions)."""
-    if not isinstance(batch, Mapping):
-        raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
-    work = dict(batch)
-    _, primary = resolve_primary(work)
-    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
-    doc_ids, source = resolve_document_ids(work, bsz, seq, primary.device)
-    mask = work.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        # Its information now lives in doc_ids; the model must not see a full-length mask.
-        del work["attention_mask"]
-    pad = work.get("padding_mask")
-    no_doc = doc_ids == 0
-    work["padding_mask"] = no_doc if pad is None else (pad.to(torch.bool) | no_doc)
+             ) -> tuple[Any, Documents]:
+    """Resolve documents of ``batch`` and normalise a copy of it (cp_core conventions)."""
+    docs = resolve_documents(batch)
+    work = without_document_keys(batch, docs)
     if synthesize_seq_ids and work.get("_packed_seq_ids") is None:
-        work["_packed_seq_ids"] = doc_ids
-    nb = normalize_batch(work, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
-    return nb, doc_ids, source
+        work["_packed_seq_ids"] = docs.ids
+    return normalize_batch(work, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys), docs
 
 
-def _finish(nb: Any, cp_mesh: Any, doc_ids: torch.Tensor, source: str, out: dict[str, Any],
+def _finish(nb: Any, cp_mesh: Any, docs: Documents, out: dict[str, Any],
             layout: ShardLayout, *, exchange: str, attention: AttentionKind,
             window: int | None, chunk: int | None,
             transport_options: Mapping[str, Any] | None) -> ShardResult:
-    padded_len = int(layout.padded_seq_len or nb.seq_len)
-    ids = pad_seq_dim(doc_ids, 1, padded_len - nb.seq_len, 0)
-    mask = DocumentMask(ids, positions_in_document(ids), attention, window, chunk)
+    ids = docs.padded(int(layout.padded_seq_len or nb.seq_len))
+    mask = DocumentMask(ids, document_positions(ids), attention, window, chunk)
     route = build_route(ids, cp_size(cp_mesh), cp_rank(cp_mesh), exchange)
     options = {**dict(transport_options or {}), "exchange": route.exchange,
                "blockdiag_route": route}
     plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=blockdiag_transport,
                      options=options)
     layout = dataclasses.replace(layout, extras={"exchange": route.exchange,
-                                                 "document_source": source})
+                                                 "document_source": docs.source})
     state = BlockDiagState(plan, route)
     return partial(activate_state, state), out, layout
 
@@ -123,13 +115,13 @@ def make_blockdiag_batch_and_ctx(
         ``ctx_factory()`` routes SDPA calls to :func:`cp_blockdiag.cp_blockdiag_sdpa`.
     """
     _check_options(exchange, attention)
-    nb, doc_ids, source = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=False)
+    nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=False)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
     out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, cp_size(cp_mesh) * m,
                                    padding_token_id=padding_token_id,
                                    extra_pad_values=extra_pad_values)
-    return _finish(nb, cp_mesh, doc_ids, source, out, layout, exchange=exchange,
+    return _finish(nb, cp_mesh, docs, out, layout, exchange=exchange,
                    attention=attention, window=window, chunk=chunk,
                    transport_options=transport_options)
 
@@ -155,7 +147,7 @@ def make_contiguous_aux_only_batch_and_ctx(
     :func:`make_blockdiag_batch_and_ctx`.
     """
     _check_options(exchange, attention)
-    nb, doc_ids, source = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=True)
+    nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=True)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
     # The same divisor as the in-forward slice, CP size 1 included (there it is the per-chunk
@@ -164,7 +156,7 @@ def make_contiguous_aux_only_batch_and_ctx(
     out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, divisor,
                                    padding_token_id=padding_token_id, shard_primary=False,
                                    extra_pad_values=extra_pad_values)
-    return _finish(nb, cp_mesh, doc_ids, source, out, layout, exchange=exchange,
+    return _finish(nb, cp_mesh, docs, out, layout, exchange=exchange,
                    attention=attention, window=window, chunk=chunk,
                    transport_options=transport_options)
 

@@ -187,6 +187,13 @@ def normalize_batch(
             )
         if k == "labels" and (t.dtype.is_floating_point or t.dtype == torch.bool):
             raise CPBatchError(f"batch['labels'] must be an integer tensor, got {t.dtype}")
+        if k == "labels" and not t.dtype.is_complex and torch.iinfo(t.dtype).min > -100:
+            # Pad slots get -100; an unsigned dtype would wrap it (uint8: 156) into a label
+            # that counts in the loss.
+            raise CPBatchError(
+                f"batch['labels'] has dtype {t.dtype}, which cannot hold the ignore index -100 "
+                "that pad slots get; pass signed labels (torch.int64, or int32/int16)"
+            )
         if k == "padding_mask" and t.dtype != torch.bool:
             out[k] = t.to(torch.bool)
         seq_dims[k] = 1

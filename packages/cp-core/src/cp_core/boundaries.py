@@ -1,33 +1,22 @@
-"""Document boundaries of a packed ``[B, S]`` batch, from whichever key the caller provides.
+"""The THD boundary lists of a packed ``[B, S]`` batch, and the segments THD layouts use.
 
-The one parser of the boundary keys for every backend that reads them (cp-te's THD layout,
-cp-magi's document masks). A packed row is tiled by *segments*: one document's real tokens
-followed by the pad the caller put after it (``span = length + caller pad``). The segments of
-every row, in row-major order, are the unit the THD layout pads and splits. Boundaries come
-from exactly one of:
+Parses the list keys (``seq_lens``/``seq_lens_padded``, ``cu_seqlens``/``cu_seqlens_padded``)
+for :func:`cp_core.documents.resolve_documents`, the one resolver of documents; and turns the
+resolved document ids into *segments* for the THD layout (:func:`segments_from_document_ids`).
+A packed row is tiled by segments: one document's tokens followed by the pad the caller put
+after it (``span = length + caller pad``), in row-major order.
 
 * ``seq_lens`` (+ optional ``seq_lens_padded``): per-row lengths ``[B, D]`` padded with a
-  sentinel (default -1000); the padded lengths of a row must add up to ``S``;
+  sentinel (default -1000);
 * ``cu_seqlens`` / ``cu_seqlens_padded``: cumulative boundaries, per row ``[B, D+1]`` (sentinel
-  padded, each row ``0 ... S``) or flat ``[N+1]`` over the ``B*S`` stream (``0 ... B*S``, every
-  row start a boundary, so no document crosses a row). With both, ``cu_seqlens_padded`` places
-  the documents and ``cu_seqlens`` gives their real lengths (TransformerEngine's convention);
-* ``_packed_seq_ids``: a 1-based document id per token, 0 for pad (pad after a document belongs
-  to its span; pad at the start of a row is a pad-only segment);
-* ``position_ids`` ``[B, S]`` that restart at 0 for each document (used only when they restart
-  somewhere and no explicit source is present); without any of these each row is one document.
+  padded, each row ``0 ...``) or flat ``[N+1]`` over the ``B*S`` stream (every row start a
+  boundary, so no document crosses a row). With both, ``cu_seqlens_padded`` places the
+  documents and ``cu_seqlens`` gives their real lengths (TransformerEngine's convention).
 
-Several explicit sources must describe the same segments, else :class:`CPBatchError`.
-Everything is vectorized over rows and documents; only error messages look at single rows.
-
-Two rules are options, because the backends differ there:
-
-* ``trailing_pad``: False (THD) makes each row's documents end exactly at ``S`` (flat boundaries
-  at ``B*S``); True lets them end earlier, the rest of the row being pad, which joins the span
-  of the row's last document (a row without documents becomes one pad-only segment), exactly
-  as ``_packed_seq_ids`` treats pad after a document;
-* ``sentinel``: the value that pads per-row lists (default -1000); ``None`` makes any negative
-  value a sentinel.
+``trailing_pad=True`` (what the resolver uses) lets a row's documents end before ``S``: the
+rest of the row is pad and joins the span of the row's last document. ``sentinel=None`` makes
+any negative value a sentinel. Everything is vectorized over rows and documents; only error
+messages look at single rows.
 """
 
 from __future__ import annotations
@@ -45,7 +34,6 @@ DEFAULT_SENTINEL = -1000
 EXPLICIT_SOURCES: dict[str, tuple[str, ...]] = {
     "seq_lens": ("seq_lens", "seq_lens_padded"),
     "cu_seqlens": ("cu_seqlens", "cu_seqlens_padded"),
-    "_packed_seq_ids": ("_packed_seq_ids",),
 }
 
 #: Every key this module reads as a boundary description (dropped from the sharded batch).
@@ -369,18 +357,6 @@ def _segments_from_flat_cu(pos: torch.Tensor, real: torch.Tensor | None, pos_key
     return Segments(row, length, span, batch_size, seq_len, "cu_seqlens")
 
 
-def _spans_from_starts(start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row, span, seg)`` of the segments a ``[B, S]`` start mask opens (True at column 0).
-
-    ``seg`` is the segment of every token in the flattened stream.
-    """
-    flat = start.reshape(-1)
-    seg = flat.long().cumsum(0) - 1
-    span = torch.bincount(seg, minlength=int(seg[-1]) + 1)
-    row = flat.nonzero()[:, 0] // start.shape[1]
-    return row, span, seg
-
-
 def _token_offsets(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seg_of, offset)`` of every stream token: its segment and its offset in that segment."""
     b, s = segs.batch_size, segs.seq_len
@@ -391,157 +367,47 @@ def _token_offsets(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     return seg_of, torch.arange(b * s, device=device) - start[seg_of]
 
 
-def segments_from_packed_seq_ids(ids: Any, batch_size: int, seq_len: int,
-                                 device: torch.device) -> Segments:
-    """Segments from ``_packed_seq_ids`` ``[B, S]`` (1-based per row, 0 for pad)."""
-    key = "_packed_seq_ids"
-    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (batch_size, seq_len):
-        found = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise CPBatchError(f"batch[{key!r}] has shape {found}, expected [B, S] = "
-                           f"[{batch_size}, {seq_len}]")
-    ids = _to_int_tensor(ids, key, device, DEFAULT_SENTINEL)
-    if bool((ids < 0).any()):
-        row = _first_bad_row((ids < 0).any(1))
-        raise CPBatchError(f"batch[{key!r}] row {row} has negative ids: "
-                           f"{_preview(torch.unique_consecutive(ids[row]))}")
-    start = torch.ones_like(ids, dtype=torch.bool)
-    start[:, 1:] = (ids[:, 1:] != 0) & (ids[:, 1:] != ids[:, :-1])
-    # The k-th document of a row must carry id k: ids are one run each, in order.
-    real_start = start & (ids > 0)
-    expected = real_start.long().cumsum(1)
-    bad = real_start & (ids != expected)
-    if bool(bad.any()):
-        row = _first_bad_row(bad.any(1))
-        raise CPBatchError(
-            f"batch[{key!r}] row {row} has document ids "
-            f"{_preview(torch.unique_consecutive(ids[row]))}: expected contiguous runs 1, 2, 3, "
-            "... (each document one run, in order; 0 only for pad)"
-        )
-    row, span, seg = _spans_from_starts(start)
-    length = torch.bincount(seg, weights=(ids.reshape(-1) > 0).double(),
-                            minlength=span.numel()).long()
-    return Segments(row, length, span, batch_size, seq_len, key)
-
-
-def _restart_mask(pos: torch.Tensor) -> torch.Tensor:
-    restart = torch.ones_like(pos, dtype=torch.bool)
-    restart[:, 1:] = pos[:, 1:] == 0
-    return restart
-
-
-def position_ids_restart(pos: Any) -> bool:
-    """True when ``[B, S]`` position_ids restart at 0 after the first token of some row."""
-    return (isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[1] > 1
-            and bool((pos[:, 1:] == 0).any()))
-
-
-def segments_from_position_ids(pos: torch.Tensor, batch_size: int, seq_len: int,
-                               device: torch.device) -> Segments:
-    """Segments from ``[B, S]`` position_ids that restart at 0 for each document."""
-    key = "position_ids"
-    pos = pos.to(device=device, dtype=torch.long).expand(batch_size, seq_len)
-    if bool((pos[:, 0] != 0).any()):
-        row = _first_bad_row(pos[:, 0] != 0)
-        raise CPBatchError(
-            f"batch[{key!r}] row {row} starts at position {int(pos[row, 0])}: packed position_ids "
-            "must restart at 0 for every document, including the first"
-        )
-    restart = _restart_mask(pos)
-    steps_ok = restart[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)
-    if not bool(steps_ok.all()):
-        row = _first_bad_row(~steps_ok.all(1))
-        col = int((~steps_ok[row]).nonzero()[0, 0]) + 1
-        raise CPBatchError(
-            f"batch[{key!r}] row {row} goes {int(pos[row, col - 1])} -> {int(pos[row, col])} at "
-            f"token {col}: packed position_ids must count up by 1 within a document and restart "
-            "at 0 for the next"
-        )
-    row, span, _ = _spans_from_starts(restart)
-    return Segments(row, span.clone(), span, batch_size, seq_len, key)
-
-
-def _check_positions_agree(pos: torch.Tensor, segs: Segments) -> None:
-    """Restarting position_ids next to an explicit source must restart exactly at its documents."""
-    b, s = segs.batch_size, segs.seq_len
-    seg_of, offset = _token_offsets(segs)
-    real = offset < segs.length[seg_of]
-    restart = _restart_mask(pos.expand(b, s)).reshape(-1)
-    clash = real & (restart != (offset == 0))
-    if bool(clash.any()):
-        i = int(clash.nonzero()[0, 0])
-        raise CPBatchError(
-            f"conflicting document boundaries: batch['position_ids'] restart at 0 in other places "
-            f"than the documents of batch[{segs.source!r}] (first at row {i // s}, token {i % s}); "
-            "pass one source, or position_ids that restart exactly at each document"
-        )
-
-
-def explicit_sources(batch: Mapping[str, Any]) -> list[str]:
-    """Names (keys of :data:`EXPLICIT_SOURCES`) of the explicit boundary sources ``batch`` gives."""
-    return [name for name, keys in EXPLICIT_SOURCES.items()
-            if any(batch.get(k) is not None for k in keys)]
-
-
 def segments_from_source(name: str, batch: Mapping[str, Any], batch_size: int, seq_len: int,
                          device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
                          trailing_pad: bool = False) -> Segments:
-    """Segments of the explicit source ``name`` (a key of :data:`EXPLICIT_SOURCES`).
-
-    ``_packed_seq_ids`` tiles its rows by construction, so ``trailing_pad`` does not apply.
-    """
+    """Segments of the boundary list source ``name`` (``seq_lens`` or ``cu_seqlens``)."""
     if name == "seq_lens":
         return segments_from_seq_lens(batch, batch_size, seq_len, device, sentinel,
                                       trailing_pad=trailing_pad)
     if name == "cu_seqlens":
         return segments_from_cu_seqlens(batch, batch_size, seq_len, device, sentinel,
                                         trailing_pad=trailing_pad)
-    if name == "_packed_seq_ids":
-        return segments_from_packed_seq_ids(batch["_packed_seq_ids"], batch_size, seq_len,
-                                            device)
     raise ValueError(f"unknown boundary source {name!r}; known: {list(EXPLICIT_SOURCES)}")
 
 
-def resolve_segments(batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                     device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
-                     trailing_pad: bool = False) -> Segments:
-    """The segments of a packed batch from its one boundary source (see the module docstring).
+def segments_from_document_ids(ids: torch.Tensor) -> Segments:
+    """Segments of resolved document ids ``[B, S]`` (per row 1, 2, ... in order, 0 == pad;
+    :func:`cp_core.documents.resolve_documents`).
 
-    Raises :class:`CPBatchError` for bad boundaries and for sources that disagree.
+    A segment starts at each row start and at each document's first token; its ``length``
+    runs to the document's last real token (pad holes inside a document are part of it and
+    are masked by the caller's pad), and the pad after it joins its span. Pad at the start of
+    a row is a pad-only segment (length 0).
     """
-    parsed = [segments_from_source(name, batch, batch_size, seq_len, device, sentinel,
-                                   trailing_pad=trailing_pad)
-              for name in explicit_sources(batch)]
-    for other in parsed[1:]:
-        if not parsed[0].same_as(other):
-            raise CPBatchError(
-                f"conflicting document boundaries: batch[{parsed[0].source!r}] gives documents "
-                f"(row, length, padded) {_describe(parsed[0])} but batch[{other.source!r}] gives "
-                f"{_describe(other)}; pass exactly one boundary source"
-            )
-    pos = batch.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.shape[0] == seq_len:
-        pos = pos.unsqueeze(0)
-    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and (
-            pos.shape[1] != seq_len or pos.shape[0] not in (1, batch_size)):
-        raise CPBatchError(
-            f"batch['position_ids'] has shape {tuple(pos.shape)}, expected [B, S] = "
-            f"[{batch_size}, {seq_len}] (or [1, S])"
-        )
-    restarts = position_ids_restart(pos)
-    if parsed:
-        if restarts:
-            _check_positions_agree(pos.to(device), parsed[0])
-        return parsed[0]
-    if restarts:
-        return segments_from_position_ids(pos, batch_size, seq_len, device)
-    rows = torch.arange(batch_size, device=device)
-    full = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
-    return Segments(rows, full, full.clone(), batch_size, seq_len, "row")
-
-
-def _describe(segs: Segments, n: int = 6) -> str:
-    items = list(zip(segs.row.tolist()[:n], segs.length.tolist()[:n], segs.span.tolist()[:n]))
-    return str(items)[:-1] + (", ...]" if segs.num_segments > n else "]")
+    bsz, seq = ids.shape
+    device = ids.device
+    prev_max = torch.zeros_like(ids)
+    if seq > 1:
+        prev_max[:, 1:] = ids[:, :-1].cummax(dim=1).values
+    start = ids > prev_max
+    start[:, 0] = True
+    flat = start.reshape(-1)
+    seg = flat.long().cumsum(0) - 1
+    n = int(seg[-1]) + 1 if seg.numel() else 0
+    span = torch.bincount(seg, minlength=n)
+    col = torch.arange(bsz * seq, device=device)
+    seg_start = col[flat]
+    last = torch.full((n,), -1, dtype=torch.long, device=device)
+    real_col = torch.where(ids.reshape(-1) > 0, col, torch.full_like(col, -1))
+    last = last.scatter_reduce(0, seg, real_col, reduce="amax")
+    length = torch.where(last >= 0, last - seg_start + 1, torch.zeros_like(last))
+    row = torch.div(seg_start, seq, rounding_mode="floor")
+    return Segments(row, length, span, bsz, seq, "documents")
 
 
 def segment_document_ids(segs: Segments) -> torch.Tensor:
@@ -570,13 +436,9 @@ __all__ = [
     "BOUNDARY_KEYS",
     "Segments",
     "EXPLICIT_SOURCES",
-    "explicit_sources",
-    "resolve_segments",
     "segment_document_ids",
     "segments_from_source",
     "segments_from_seq_lens",
     "segments_from_cu_seqlens",
-    "segments_from_packed_seq_ids",
-    "segments_from_position_ids",
-    "position_ids_restart",
+    "segments_from_document_ids",
 ]

@@ -1,96 +1,235 @@
-"""Document ids and document-relative positions of packed rows.
+"""The one document resolver: where the documents and the pad of a packed batch come from.
 
-A packed row holds several documents; attention is causal within each. Documents come from
-``_packed_seq_ids`` (1-based id per token, 0 for pad), else ``position_ids`` that restart at 0,
-else the row is one document. ``padding_mask`` (True == pad) zeroes the ids of pad tokens, so
-a document may have pad holes; its tokens still share one id and one run of positions.
+Every backend calls :func:`resolve_documents` on the caller's (unsharded) batch, so the same
+batch means the same documents everywhere. Sources, in order of precedence:
 
-The boundary keys of the THD convention (``seq_lens``, ``cu_seqlens`` and their padded forms)
-are parsed by :mod:`cp_core.boundaries`.
+1. ``_packed_seq_ids`` ``[B, S]``: 1-based document id per token, 0 for pad;
+2. ``seq_lens`` (+ ``seq_lens_padded``) and 3. ``cu_seqlens`` (+ ``cu_seqlens_padded``): the
+   THD boundary lists (:mod:`cp_core.boundaries`; a row's documents may end before ``S``, the
+   rest being pad; lists are padded with the sentinel, -1000 unless configured);
+4. a 4-D block-causal ``attention_mask [B, 1, S, S]`` (its diagonal blocks);
+5. a 2-D integer ``attention_mask`` whose values go above 1 (1-based document ids, 0 pad);
+6. ``position_ids`` (``[B, S]``, ``[1, S]`` or ``[S]``) that go back to 0 inside a row: a
+   document starts at each row start and at every position 0;
+7. otherwise each row is one document.
+
+Every source given must describe the same documents (compared on the real tokens) and the
+same pad, else :class:`CPBatchError` names both keys and the first token where they differ.
+Pad is the union of ``padding_mask`` (True == pad), a 2-D ``attention_mask`` (0 == pad) and
+what the sources above mark as pad. A pad token inside a document is a hole: the document
+stays one document (its tokens after the hole still see those before it), the hole is never
+attended. A token a document source marks as pad while ``labels``, ``attention_mask`` or
+``padding_mask`` says it is real is a contradiction (often 0-based ids) and is refused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+from cp_core.batch import resolve_primary
+from cp_core.boundaries import (
+    DEFAULT_SENTINEL,
+    EXPLICIT_SOURCES,
+    segment_document_ids,
+    segments_from_source,
+)
+from cp_core.doc_sources import (
+    ids_from_4d_mask,
+    ids_from_packed_seq_ids,
+    ids_from_position_ids,
+    is_indexed_mask,
+    position_ids_restart,
+    position_rows,
+    validate_document_ids,
+)
 from cp_core.errors import CPBatchError
 
-
-def validate_document_ids(ids: torch.Tensor, key: str = "_packed_seq_ids") -> None:
-    """Check 1-based contiguous document ids: each row's non-zero ids are 1, 2, ... in runs."""
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise CPBatchError(f"batch[{key!r}] must be an integer tensor, got {ids.dtype}")
-    if (ids < 0).any():
-        raise CPBatchError(f"batch[{key!r}] has negative document ids (min {int(ids.min())})")
-    # Each document is one run and ids rise by at most 1 at each change, pad (0) skipped:
-    # compare every non-zero id with the previous non-zero id of its row (0 before the first),
-    # all rows at once.
-    if ids.numel() == 0:
-        return
-    ar = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
-    nz = ids > 0
-    last_nz = torch.where(nz, ar, torch.full_like(ar, -1)).cummax(dim=-1).values
-    prev_idx = torch.cat([torch.full_like(last_nz[..., :1], -1), last_nz[..., :-1]], dim=-1)
-    prev = torch.where(prev_idx >= 0, ids.gather(-1, prev_idx.clamp(min=0)),
-                       torch.zeros_like(ids))
-    step = ids - prev
-    bad = nz & ((step < 0) | (step > 1))
-    if bool(bad.any()):
-        row = int(bad.any(dim=-1).nonzero()[0, 0])
-        r = ids[row]
-        raise CPBatchError(
-            f"batch[{key!r}] row {row} has document ids {_preview(r[r > 0])} which are not "
-            "contiguous runs 1, 2, 3, ... (each document one run, in order)"
-        )
+#: Keys that only describe documents, in caller coordinates: a sharder reads them here and
+#: leaves them out of the local batch (``_packed_seq_ids`` is per token and is sharded).
+BOUNDARY_LIST_KEYS: tuple[str, ...] = ("seq_lens", "seq_lens_padded", "cu_seqlens",
+                                       "cu_seqlens_padded")
+#: Sources that also say which tokens are pad (``position_ids`` never do).
+_PAD_SOURCES = ("_packed_seq_ids", "seq_lens", "cu_seqlens", "attention_mask_4d",
+                "attention_mask_indexed")
 
 
-def _preview(t: torch.Tensor, n: int = 12) -> str:
-    vals = torch.unique_consecutive(t).tolist()
-    return str(vals[:n]) + ("..." if len(vals) > n else "")
+@dataclass(frozen=True)
+class Documents:
+    """The documents of a ``[B, S]`` batch.
 
-
-def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """1-based document ids ``[B, S]`` from ``[B, S]`` positions that restart at 0."""
-    starts = torch.zeros_like(position_ids, dtype=torch.long)
-    starts[:, 1:] = (position_ids[:, 1:] == 0).long()
-    return starts.cumsum(1) + 1
-
-
-def packed_seq_ids(ids: Any, batch_size: int, seq_len: int, device: torch.device
-                   ) -> torch.Tensor:
-    """``_packed_seq_ids`` checked (shape ``[B, S]``, contiguous 1-based runs) as int64."""
-    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (batch_size, seq_len):
-        found = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise CPBatchError(
-            f"batch['_packed_seq_ids'] has shape {found}, expected [B, S] = "
-            f"[{batch_size}, {seq_len}]"
-        )
-    validate_document_ids(ids)
-    return ids.to(device=device, dtype=torch.long)
-
-
-def resolve_document_ids(batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                         device: torch.device, *, validate: bool = True) -> torch.Tensor:
-    """Document id of every token ``[B, S]`` (int64, 1-based, 0 == pad) from a normalised batch.
-
-    ``validate=False`` skips re-checking ``_packed_seq_ids`` the caller already checked.
+    Attributes:
+        ids: ``[B, S]`` int64, per row 1, 2, ... in order over the real tokens, 0 == pad.
+        sources: the sources that were read, in precedence order (empty: one document per
+            row); names are batch keys, with ``attention_mask_4d`` / ``attention_mask_indexed``
+            for the two document forms of ``attention_mask``.
     """
-    ids = batch.get("_packed_seq_ids")
-    if ids is not None:
-        ids = (packed_seq_ids(ids, batch_size, seq_len, device) if validate
-               else ids.to(device=device, dtype=torch.long))
-    else:
-        pos = batch.get("position_ids")
-        if isinstance(pos, torch.Tensor) and pos.dim() == 2:
-            ids = document_ids_from_position_ids(pos.to(device))
-        else:
-            ids = torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
-    pad = batch.get("padding_mask")
-    if isinstance(pad, torch.Tensor):
-        ids = ids.masked_fill(pad.to(device=device, dtype=torch.bool), 0)
-    return ids
+
+    ids: torch.Tensor
+    sources: tuple[str, ...]
+
+    @property
+    def source(self) -> str:
+        """The source of highest precedence (``"single_document"`` when none was given)."""
+        return self.sources[0] if self.sources else "single_document"
+
+    @property
+    def pad(self) -> torch.Tensor:
+        """``[B, S]`` bool, True == pad."""
+        return self.ids == 0
+
+    def padded(self, length: int) -> torch.Tensor:
+        """``ids`` right-padded with 0 (pad) to ``length`` tokens per row."""
+        extra = length - self.ids.shape[1]
+        if extra <= 0:
+            return self.ids
+        return torch.nn.functional.pad(self.ids, (0, extra), value=0)
+
+
+def _first(mask: torch.Tensor) -> tuple[int, int]:
+    row, col = (int(x) for x in mask.nonzero()[0])
+    return row, col
+
+
+def canonical_ids(ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Relabel ``ids`` over the ``real`` tokens: a new document wherever the id differs from
+    the previous real token's of the row (row starts included); 0 on the other tokens."""
+    seq = ids.shape[1]
+    ar = torch.arange(seq, device=ids.device).expand_as(ids)
+    last = torch.where(real, ar, torch.full_like(ar, -1)).cummax(dim=1).values
+    prev = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], dim=1)
+    prev_id = torch.where(prev >= 0, ids.gather(1, prev.clamp(min=0)), torch.full_like(ids, -1))
+    start = real & (ids != prev_id)
+    return torch.where(real, start.long().cumsum(1), torch.zeros_like(ids))
+
+
+def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device,
+                  sentinel: int | None) -> dict[str, torch.Tensor]:
+    """Document ids of every source the batch gives, in precedence order."""
+    found: dict[str, torch.Tensor] = {}
+    if batch.get("_packed_seq_ids") is not None:
+        found["_packed_seq_ids"] = ids_from_packed_seq_ids(batch["_packed_seq_ids"], bsz,
+                                                           seq).to(device)
+    for name in ("seq_lens", "cu_seqlens"):
+        if any(batch.get(k) is not None for k in EXPLICIT_SOURCES[name]):
+            segs = segments_from_source(name, batch, bsz, seq, device, sentinel,
+                                        trailing_pad=True)
+            found[name] = segment_document_ids(segs)
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        found["attention_mask_4d"] = ids_from_4d_mask(mask.to(device), bsz, seq)
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_indexed_mask(mask):
+        validate_document_ids(mask, "attention_mask")
+        found["attention_mask_indexed"] = mask.to(device=device, dtype=torch.long)
+    elif mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        raise CPBatchError(
+            f"batch['attention_mask'] has shape "
+            f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}, "
+            f"expected [B, S] (validity or document indices) or [B, 1, S, S] (block-causal), "
+            f"with B = {bsz}, S = {seq}"
+        )
+    pos = position_rows(batch.get("position_ids"), bsz, seq)
+    if position_ids_restart(pos):
+        found["position_ids"] = ids_from_position_ids(pos.to(device))
+    return found
+
+
+def _key(name: str) -> str:
+    return "attention_mask" if name.startswith("attention_mask") else name
+
+
+def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Pad from ``padding_mask`` and a 2-D ``attention_mask``, and which of them were given
+    (each as its "real" mask, for the contradiction check)."""
+    pad = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
+    says_real: dict[str, torch.Tensor] = {}
+    for key in ("padding_mask", "attention_mask"):
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            continue
+        if tuple(t.shape) != (bsz, seq):
+            raise CPBatchError(
+                f"batch[{key!r}] has shape {tuple(t.shape)}, expected [B, S] = [{bsz}, {seq}]"
+            )
+        key_pad = t.to(device=device, dtype=torch.bool)
+        key_pad = key_pad if key == "padding_mask" else ~key_pad
+        pad |= key_pad
+        says_real[key] = ~key_pad
+    return pad, says_real
+
+
+def _refuse_contradictions(batch: Mapping[str, Any], found: Mapping[str, torch.Tensor],
+                           says_real: dict[str, torch.Tensor], bsz: int, seq: int) -> None:
+    """A token a source marks as pad must not carry a label or be marked real elsewhere."""
+    labels = batch.get("labels")
+    # Unsigned labels cannot hold -100: the batch normaliser refuses them with its own error.
+    if isinstance(labels, torch.Tensor) and tuple(labels.shape) == (bsz, seq) \
+            and labels.dtype.is_signed:
+        says_real = {**says_real, "labels": labels.to(next(iter(found.values())).device) != -100}
+    for name, ids in found.items():
+        if name not in _PAD_SOURCES:
+            continue
+        for other, real in says_real.items():
+            if _key(other) == _key(name):
+                continue
+            bad = (ids == 0) & real
+            if bool(bad.any()):
+                row, col = _first(bad)
+                what = ("is not -100" if other == "labels"
+                        else "marks it real")
+                raise CPBatchError(
+                    f"batch[{_key(name)!r}] marks token (row {row}, position {col}) as pad but "
+                    f"batch[{other!r}] {what} there; document ids are 1-based (0 only for pad), "
+                    "and pad tokens carry label -100"
+                )
+
+
+def _refuse_disagreement(found: Mapping[str, torch.Tensor], real: torch.Tensor) -> None:
+    """Every source must give the same documents on the real tokens and the same pad."""
+    names = list(found)
+    first = names[0]
+    ref = canonical_ids(found[first], real)
+    pad_ref = next((n for n in names if n in _PAD_SOURCES), None)
+    for name in names[1:]:
+        diff = canonical_ids(found[name], real) != ref
+        if pad_ref is not None and name in _PAD_SOURCES and name != pad_ref:
+            diff |= (found[name] == 0) != (found[pad_ref] == 0)
+        if bool(diff.any()):
+            row, col = _first(diff)
+            raise CPBatchError(
+                f"conflicting document boundaries: batch[{_key(first)!r}] and "
+                f"batch[{_key(name)!r}] describe different documents (first at row {row}, "
+                f"token {col}); pass one source, or sources that agree"
+            )
+
+
+def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAULT_SENTINEL,
+                      device: torch.device | None = None) -> Documents:
+    """The :class:`Documents` of an unsharded batch (see the module docstring for the rules).
+
+    ``sentinel`` pads the per-row ``seq_lens`` / ``cu_seqlens`` lists (None: any negative
+    value). Raises :class:`CPBatchError` for bad, contradictory or disagreeing sources.
+    """
+    if not isinstance(batch, Mapping):
+        raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    _, primary = resolve_primary(batch)
+    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
+    device = primary.device if device is None else device
+    found = _read_sources(batch, bsz, seq, device, sentinel)
+    pad, says_real = _caller_pad(batch, bsz, seq, device)
+    if not found:
+        ids = torch.ones(bsz, seq, dtype=torch.long, device=device)
+        return Documents(ids.masked_fill(pad, 0) if bool(pad.any()) else ids, ())
+    _refuse_contradictions(batch, found, says_real, bsz, seq)
+    for name, ids in found.items():
+        if name in _PAD_SOURCES:
+            pad = pad | (ids == 0)
+    real = ~pad
+    _refuse_disagreement(found, real)
+    return Documents(canonical_ids(next(iter(found.values())), real), tuple(found))
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -100,7 +239,6 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     stays right when pad slots interrupt a document: the tokens after a hole keep counting
     (restarting there would let a query see later keys of its own document as if earlier).
     Pad tokens (id 0) get offsets from the row's first pad slot; they are never attended.
-    Ids are contiguous runs in order (:func:`validate_document_ids`), so first == run start.
     """
     bsz, seq = doc_ids.shape
     ar = torch.arange(seq, device=doc_ids.device).expand(bsz, seq)
@@ -110,10 +248,27 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return ar - first.gather(1, doc_ids)
 
 
+def without_document_keys(batch: Mapping[str, Any], docs: Documents) -> dict[str, Any]:
+    """A shallow copy of ``batch`` for the batch normaliser: the boundary lists and a 4-D
+    ``attention_mask`` removed (their content is in ``docs``), ``padding_mask`` set to the
+    resolved pad when there is any (or the caller gave one)."""
+    out = {k: v for k, v in batch.items() if k not in BOUNDARY_LIST_KEYS}
+    mask = out.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        del out["attention_mask"]
+    if out.get("padding_mask") is not None or bool(docs.pad.any()):
+        out["padding_mask"] = docs.pad
+        out.pop("attention_mask", None)
+    return out
+
+
 __all__ = [
-    "validate_document_ids",
-    "document_ids_from_position_ids",
-    "packed_seq_ids",
-    "resolve_document_ids",
+    "Documents",
+    "BOUNDARY_LIST_KEYS",
+    "resolve_documents",
+    "canonical_ids",
     "document_positions",
+    "without_document_keys",
+    "validate_document_ids",
+    "ids_from_position_ids",
 ]

@@ -22,7 +22,12 @@ from cp_core.batch import (
     pad_seq_dim,
     pad_value_for,
 )
-from cp_core.documents import document_positions, packed_seq_ids, resolve_document_ids
+from cp_core.documents import (
+    Documents,
+    document_positions,
+    resolve_documents,
+    without_document_keys,
+)
 from cp_core.errors import CPBatchError
 from cp_core.layout import (
     IndexFn,
@@ -53,23 +58,24 @@ def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
     return factory
 
 
-def build_document_mask(nb: NormalizedBatch, padded_len: int, *, attention: AttentionKind,
-                        window: int | None, chunk: int | None,
-                        validated: bool = False) -> DocumentMask:
-    """Document ids/positions of the padded rows (pad slots are document 0), built when the
-    mask is first read (the first attention call).
-
-    ``validated=True``: ``_packed_seq_ids`` was already checked when the batch was sharded.
-    """
+def build_document_mask(docs: Documents, padded_len: int, *, attention: AttentionKind,
+                        window: int | None, chunk: int | None) -> DocumentMask:
+    """The :class:`DocumentMask` of resolved documents over rows padded to ``padded_len``
+    (pad slots are document 0); the positions are built when the mask is first read."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
-        device = nb.primary.device
-        ids = resolve_document_ids(nb.batch, nb.batch_size, nb.seq_len, device,
-                                   validate=not validated)
-        ids = pad_seq_dim(ids, 1, padded_len - nb.seq_len, 0)
+        ids = docs.padded(padded_len)
         return ids, document_positions(ids)
 
     return DocumentMask.deferred(build, attention, window, chunk)
+
+
+def normalize_with_documents(batch: Mapping[str, Any], **normalize_kw: Any
+                             ) -> tuple[NormalizedBatch, Documents]:
+    """Resolve the documents of the caller's batch (:func:`cp_core.documents.resolve_documents`)
+    and normalise what is left: pad from every source lands in ``padding_mask``."""
+    docs = resolve_documents(batch)
+    return normalize_batch(without_document_keys(batch, docs), **normalize_kw), docs
 
 
 def make_plan(cp_mesh: Any, layout: ShardLayout, mask: DocumentMask, *,
@@ -125,7 +131,9 @@ def _take(t: torch.Tensor, dim: int, local: torch.Tensor,
           runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """This rank's tokens of ``t`` along ``dim`` (differentiable)."""
     if len(runs) == 1:
-        return t.narrow(dim, runs[0][0], runs[0][1])  # a view: cheap, still differentiable
+        # A copy, not a view: the local batch must never alias the caller's tensors (an
+        # in-place edit of local["labels"] would change the caller's batch on some ranks).
+        return t.narrow(dim, runs[0][0], runs[0][1]).clone()
     if 0 < len(runs) <= _MAX_RUNS_FOR_CAT:
         grid = _aligned_chunks(runs, t.device)
         if grid is not None and t.shape[dim] % grid[0] == 0:
@@ -152,7 +160,8 @@ def _take_with_fill(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]
             shape = list(t.shape)
             shape[dim] = length - real
             pieces.append(torch.full(shape, fill, dtype=t.dtype, device=t.device))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    # One piece is a view of ``t``: copied, so the local batch never aliases the caller's.
+    return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def _local_pad_mask(local: torch.Tensor, runs: tuple[tuple[int, int], ...], seq_len: int,
@@ -219,16 +228,12 @@ def shard_normalized(
     return out, layout
 
 
-def _finish(nb: NormalizedBatch, cp_mesh: Any, out: dict[str, Any], layout: ShardLayout, *,
-            attention: AttentionKind, window: int | None, chunk: int | None,
-            transport: Callable | None, transport_options: Mapping[str, Any] | None) -> ShardResult:
-    if "_packed_seq_ids" in nb.batch:
-        # Bad document ids are bad input: refuse them now, not when attention first runs.
-        packed_seq_ids(nb.batch["_packed_seq_ids"], nb.batch_size, nb.seq_len,
-                       nb.primary.device)
-
-    mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len, attention=attention,
-                               window=window, chunk=chunk, validated=True)
+def _finish(nb: NormalizedBatch, docs: Documents, cp_mesh: Any, out: dict[str, Any],
+            layout: ShardLayout, *, attention: AttentionKind, window: int | None,
+            chunk: int | None, transport: Callable | None,
+            transport_options: Mapping[str, Any] | None) -> ShardResult:
+    mask = build_document_mask(docs, layout.padded_seq_len or nb.seq_len, attention=attention,
+                               window=window, chunk=chunk)
     plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
                      options=transport_options)
     return make_transport_ctx(plan), out, layout
@@ -251,10 +256,11 @@ def shard_batch_identity(
             f"the identity layout keeps every token on every rank; it needs CP size 1, "
             f"got {cp_size(cp_mesh)}"
         )
-    nb = normalize_batch(batch, loss_mask=loss_mask, materialize_positions=False)
+    nb, docs = normalize_with_documents(batch, loss_mask=loss_mask,
+                                        materialize_positions=False)
     out, layout = shard_normalized(nb, None, identity_local_indices, 1,
                                    padding_token_id=padding_token_id)
-    return _finish(nb, None, out, layout, attention=attention, window=window, chunk=chunk,
+    return _finish(nb, docs, None, out, layout, attention=attention, window=window, chunk=chunk,
                    transport=transport, transport_options=transport_options)
 
 
@@ -273,8 +279,9 @@ def shard_batch_contiguous(
     Needs ``labels`` or a ``loss_mask``. ``shard_primary=False`` leaves the primary stream full
     length for a model that slices it in its forward (:func:`shard_sequence_for_cp_contiguous`).
     """
-    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys,
-                         materialize_positions=False)
+    nb, docs = normalize_with_documents(batch, loss_mask=loss_mask,
+                                        extra_seq_keys=extra_seq_keys,
+                                        materialize_positions=False)
     if "labels" not in nb.batch and "loss_mask" not in nb.batch:
         raise CPBatchError(
             "the contiguous layout needs 'labels' or a loss_mask to know which tokens carry "
@@ -287,7 +294,7 @@ def shard_batch_contiguous(
         padding_token_id=padding_token_id, shard_primary=shard_primary,
         extra_pad_values=extra_pad_values,
     )
-    return _finish(nb, cp_mesh, out, layout, attention=attention, window=window, chunk=chunk,
+    return _finish(nb, docs, cp_mesh, out, layout, attention=attention, window=window, chunk=chunk,
                    transport=transport, transport_options=transport_options)
 
 
@@ -302,15 +309,16 @@ def shard_batch_load_balanced(
     """Round-robin head-tail shard: pad to ``2*cp`` (times the per-chunk multiple), rank r
     keeps chunks r and ``2*cp-1-r``. Pad slots: ``input_ids`` 0 (they sit after every real
     token and carry -100 labels), labels -100, padding_mask True, floats 0."""
-    nb = normalize_batch(batch, loss_mask=loss_mask, extra_seq_keys=extra_seq_buffers,
-                         materialize_positions=False)
+    nb, docs = normalize_with_documents(batch, loss_mask=loss_mask,
+                                        extra_seq_keys=extra_seq_buffers,
+                                        materialize_positions=False)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
     out, layout = shard_normalized(
         nb, cp_mesh, round_robin_local_indices, round_robin_divisor(cp_size(cp_mesh), m),
         padding_token_id=0, shard_primary=shard_primary,
     )
-    return _finish(nb, cp_mesh, out, layout, attention=attention, window=window, chunk=chunk,
+    return _finish(nb, docs, cp_mesh, out, layout, attention=attention, window=window, chunk=chunk,
                    transport=transport, transport_options=transport_options)
 
 
@@ -380,6 +388,7 @@ __all__ = [
     "shard_sequence_for_cp_contiguous",
     "shard_normalized",
     "build_document_mask",
+    "normalize_with_documents",
     "make_plan",
     "make_transport_ctx",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from cp_core.documents import document_ids_from_position_ids
+from cp_core.doc_sources import ids_from_position_ids
 from cp_core.errors import CPBatchError
 
 
@@ -54,7 +54,7 @@ def document_ids_for_labels(
             raise CPBatchError(f"doc_ids has negative ids (min {int(ids.min())}); 0 marks pad")
     elif position_ids is not None:
         pos = _as_rows(position_ids, "position_ids", bsz, seq)
-        ids = document_ids_from_position_ids(pos.to(torch.long))
+        ids = ids_from_position_ids(pos.to(torch.long))
     else:
         ids = torch.ones(bsz, seq, dtype=torch.long, device=input_ids.device)
     ids = ids.to(input_ids.device)

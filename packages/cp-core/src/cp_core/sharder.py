@@ -205,6 +205,11 @@ class ContextParallelSharder:
         assert layout is not None
         padded = self._stream_len(layout)
         local = self._indices(padded, tensor.device, "gather_token_tensor")
+        if (layout.input_row_shape is not None and isinstance(tensor, torch.Tensor)
+                and tensor.dim() >= 1 and seq_dim == tensor.dim()):
+            # shard_token_tensor(x[B, S], seq_dim=1) gave a flat [T_local]: the same seq_dim
+            # names its token dim, one lower (the two verbs are inverse with equal arguments).
+            seq_dim -= 1
         dim = self._flat_stream_dim(tensor, self._dim(tensor, seq_dim), layout, local.numel())
         full = gather_token_tensor_by_indices(
             self.cp_mesh, tensor, local, dim, rank_indices=self._rank_indices(layout, padded),

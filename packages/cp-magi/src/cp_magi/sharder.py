@@ -15,8 +15,9 @@
 The output batch holds flat local tensors (``input_ids [T_local]``, ``position_ids``,
 ``labels``, ``padding_mask``, ``loss_mask`` when given; mRoPE positions ``[3, T_local]``).
 Pad slots: ``padding_token_id`` in ``input_ids``, labels -100, ``padding_mask`` True,
-``loss_mask`` 0, floats 0. ``position_ids`` are the caller's when given (what the unsharded
-model sees), else document-relative (a branch continues after its shared prefix).
+``loss_mask`` 0, floats 0. ``position_ids`` are the caller's when given, else each row's
+arange (cp-core's one rule: what the unsharded model sees; give the positions of shared-prefix
+branches explicitly). Documents come from :func:`cp_core.documents.resolve_documents`.
 """
 
 from __future__ import annotations
@@ -32,13 +33,8 @@ from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.framework import make_plan, make_transport_ctx
 from cp_core.layout import ShardLayout, round_up
 from cp_core.mesh import cp_rank, cp_size
-from cp_magi.documents import (
-    BOUNDARY_KEYS,
-    document_ids,
-    relative_positions,
-    span_rows,
-    stream_spans,
-)
+from cp_core.documents import Documents, resolve_documents, without_document_keys
+from cp_magi.documents import RealKeyMask, span_rows, stream_spans
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
@@ -102,11 +98,10 @@ def _flatten(t: torch.Tensor, seq_dim: int) -> torch.Tensor:
     return t.flatten(seq_dim - 1, seq_dim)
 
 
-def _build_mask(nb_batch: Mapping[str, Any], rects: Any, bsz: int, seq: int, padded: int,
+def _build_mask(docs: Documents, rects: Any, bsz: int, seq: int, padded: int,
                 mask: MaskSource, attention: str, window: int | None, chunk: int | None
-                ) -> tuple[AttnRectangles, np.ndarray | None]:
-    """The stream's rectangles (over ``padded`` tokens) and, when documents define it, the
-    document-relative position of every stream token."""
+                ) -> AttnRectangles:
+    """The stream's rectangles (over ``padded`` tokens)."""
     stream_len = bsz * seq
     if rects is not None:
         if not isinstance(rects, AttnRectangles):
@@ -121,11 +116,10 @@ def _build_mask(nb_batch: Mapping[str, Any], rects: Any, bsz: int, seq: int, pad
             )
         out = AttnRectangles(rects.q_ranges, rects.k_ranges, rects.types, padded)
         out.validate(check_overlap=False)  # the caller's object was validated when built
-        return out, None
-    spans = stream_spans(document_ids(nb_batch, bsz, seq))
+        return out
+    spans = stream_spans(docs.ids)
     if mask == "documents":
-        return (document_mask(spans, padded, attention=attention, window=window, chunk=chunk),
-                relative_positions(spans, padded))
+        return document_mask(spans, padded, attention=attention, window=window, chunk=chunk)
     rows = span_rows(spans, seq)
     # The first document of every row is the prefix its following documents share.
     first = np.ones(len(spans), dtype=bool)
@@ -135,7 +129,13 @@ def _build_mask(nb_batch: Mapping[str, Any], rects: Any, bsz: int, seq: int, pad
     groups = [((int(spans[i, 0]), int(spans[i, 1])),
                [(int(a), int(b)) for a, b in spans[prefix_of == i].tolist()])
               for i in np.nonzero(first)[0].tolist()]
-    return shared_prefix_mask(groups, padded), relative_positions(spans, padded, prefix_of)
+    return shared_prefix_mask(groups, padded)
+
+
+def _has_holes(docs: Documents) -> bool:
+    """True when some pad token lies inside a document (between its first and last token)."""
+    spans = stream_spans(docs.ids)
+    return int((spans[:, 1] - spans[:, 0]).sum()) != int((~docs.pad).sum())
 
 
 def shard_batch_magi(
@@ -155,16 +155,15 @@ def shard_batch_magi(
     rects = batch.get(RECTANGLES_KEY) if isinstance(batch, Mapping) else None
     view = {k: v for k, v in batch.items() if k != RECTANGLES_KEY} \
         if isinstance(batch, Mapping) else batch
-    nb = normalize_batch(view, loss_mask=loss_mask)
-    caller_positions = isinstance(batch, Mapping) and batch.get("position_ids") is not None
+    docs = resolve_documents(view)
+    nb = normalize_batch(without_document_keys(view, docs), loss_mask=loss_mask)
     bsz, seq = nb.batch_size, nb.seq_len
     stream_len = bsz * seq
     csize, cpr = choose_chunking(stream_len, size, chunk_size=chunk_size,
                                  chunks_per_rank=chunks_per_rank, chunk_multiple=chunk_multiple)
     padded = size * cpr * csize
     pad_len = padded - stream_len
-    rect_mask, doc_pos = _build_mask(nb.batch, rects, bsz, seq, padded, mask, attention, window,
-                                     chunk)
+    rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, attention, window, chunk)
     workloads = rect_mask.chunk_workloads(csize)
     assignment = solve(workloads, size, solver)
     device = nb.primary.device
@@ -173,14 +172,11 @@ def shard_batch_magi(
              + offsets).reshape(size, -1).to(device)
     local = ranks[rank]
 
-    out = {k: v for k, v in nb.batch.items() if k not in BOUNDARY_KEYS}
+    out = dict(nb.batch)
     if "padding_mask" not in out:
         out["padding_mask"] = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
     seq_dims = dict(nb.seq_dims)
     seq_dims["padding_mask"] = 1
-    if not caller_positions and doc_pos is not None and seq_dims.get("position_ids") == 1:
-        derived = torch.from_numpy(doc_pos[:stream_len]).to(device).view(bsz, seq)
-        out["position_ids"] = derived
     for key, dim in seq_dims.items():
         t = _flatten(out[key], dim)
         sdim = dim - 1
@@ -197,7 +193,13 @@ def shard_batch_magi(
         rank_global_indices=ranks, pad_multiple=size * csize, cp_rank=rank, cp_size=size,
         extras={"magi": MagiPlan(csize, cpr, workloads, assignment, rect_mask)},
     )
-    token_mask = RectangleTokenMask.from_rectangles(rect_mask, device)
+    token_mask: Any = RectangleTokenMask.from_rectangles(rect_mask, device)
+    if rects is None and _has_holes(docs):
+        # Rectangles span a document's pad holes: pad keys are removed on top (cp-core's
+        # rule: one document, holes never attended). Without holes the rectangles are exact
+        # and stay visible to the MagiAttention kernel path.
+        real = torch.nn.functional.pad(~docs.pad.reshape(-1), (0, pad_len), value=False)
+        token_mask = RealKeyMask(token_mask, real.to(device))
     plan = make_plan(cp_mesh, layout, token_mask, attention=attention,  # type: ignore[arg-type]
                      transport=magi_transport(use_magi_kernels), options=transport_options)
     return make_transport_ctx(plan), out, layout

@@ -1,12 +1,13 @@
 """cp_te: the TransformerEngine THD backend of cp-core for packed sequences.
 
 Select it with the registry (``build_sharder({"backend": "te_thd", "size": cp}, cp_mesh)``) or
-Hydra (``cp=te_thd``). The building blocks are importable on their own: boundary parsing
-(:mod:`cp_core.boundaries`, shared with cp-magi), the vectorized partition
+Hydra (``cp=te_thd``). The building blocks are importable on their own: the documents and
+their THD segments (:func:`cp_te.sharder.document_segments`, over cp-core's one resolver),
+the vectorized partition
 (:mod:`cp_te.partition`) and the stream layout (:mod:`cp_te.stream`).
 """
 
-from cp_core.boundaries import Segments, resolve_segments
+from cp_core.boundaries import Segments
 
 from cp_te.backend import BACKEND, TeThdConfig
 from cp_te.partition import (
@@ -14,14 +15,14 @@ from cp_te.partition import (
     partitioned_indices_all_ranks,
     reference_partitioned_indices,
 )
-from cp_te.sharder import shard_batch_thd
+from cp_te.sharder import document_segments, shard_batch_thd
 from cp_te.stream import ThdStream
 
 __all__ = [
     "BACKEND",
     "TeThdConfig",
     "Segments",
-    "resolve_segments",
+    "document_segments",
     "ThdStream",
     "partitioned_indices",
     "partitioned_indices_all_ranks",

@@ -9,8 +9,8 @@ int32; ``cu_seqlens_padded`` is the same tensor under TE's name), ``cu_seqlens_u
 Every caller token is kept, so ``input_token_stream_positions`` has no -1; the slots the layout
 adds (per-document pad up to a multiple of ``2*cp``) carry ``padding_token_id``, labels -100,
 ``padding_mask`` True, ``loss_mask`` 0, floats 0 and positions that continue from the
-document's last token. ``position_ids`` are the caller's when given (what the unsharded model
-would see, so RoPE angles match), else document-relative.
+document's last token. ``position_ids`` are the caller's when given, else each row's arange
+(cp-core's one rule: what the unsharded model sees, so RoPE angles match).
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from cp_core.attention.plan import AttentionKind, DocumentMask
-from cp_core.batch import normalize_batch, pad_value_for, resolve_primary
-from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments, resolve_segments
+from cp_core.batch import normalize_batch, pad_value_for
+from cp_core.boundaries import (
+    BOUNDARY_KEYS,
+    DEFAULT_SENTINEL,
+    Segments,
+    segments_from_document_ids,
+)
+from cp_core.documents import Documents, resolve_documents, without_document_keys
 from cp_core.errors import CPBatchError
 from cp_core.framework import make_plan, make_transport_ctx
 from cp_core.layout import ShardLayout
@@ -56,12 +62,18 @@ def _map_rows(t: torch.Tensor, seq_dim: int, src: torch.Tensor, added: torch.Ten
     return local
 
 
-def _local_positions(nb_pos: torch.Tensor | None, seq_dim: int, stream: ThdStream,
+def document_segments(batch: Mapping[str, Any], sentinel: int = DEFAULT_SENTINEL
+                      ) -> tuple[Documents, Segments]:
+    """The documents of ``batch`` (the cp-core resolver, as on every backend) and the THD
+    segments they tile the rows into."""
+    docs = resolve_documents(batch, sentinel=sentinel)
+    return docs, segments_from_document_ids(docs.ids)
+
+
+def _local_positions(nb_pos: torch.Tensor, seq_dim: int, stream: ThdStream,
                      seg: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Caller positions carried into the stream (continuing through the pad), or the
-    document-relative offsets when the caller gave none."""
-    if nb_pos is None:
-        return offset
+    """The normalised positions (the caller's, or each row's arange: cp-core's one rule)
+    carried into the stream, continuing from a document's last token through its pad."""
     token, steps = stream.last_caller_token(seg, offset)
     flat = nb_pos.flatten(seq_dim - 1, seq_dim)
     local = flat.index_select(seq_dim - 1, token)
@@ -126,9 +138,8 @@ def shard_batch_thd(
 ) -> tuple[CtxFactory, dict[str, Any], ShardLayout]:
     """Shard a packed ``[B, S]`` batch with TE's per-document dual-chunk split.
 
-    Document boundaries come from one of ``seq_lens``/``seq_lens_padded``,
-    ``cu_seqlens``/``cu_seqlens_padded``, ``_packed_seq_ids`` or restarting ``position_ids``
-    (:mod:`cp_core.boundaries`, shared with cp-magi). Each document (with the caller's pad after it) is padded to a
+    Documents come from :func:`cp_core.documents.resolve_documents` (the resolver every
+    backend uses). Each document (with the caller's pad after it) is padded to a
     multiple of ``2*cp`` (times the per-chunk multiple of ``pad_multiple``, ``block_size`` and
     the TP size under sequence parallelism), the rows are flattened into one stream and rank r
     keeps chunks r and ``2*cp-1-r`` of every document. Returns ``(ctx_factory, local_batch,
@@ -137,15 +148,11 @@ def shard_batch_thd(
     ``DotProductAttention`` modules found inside ``modules``. The caller's batch is not
     modified.
     """
-    if not isinstance(batch, Mapping):
-        raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
-    _, primary = resolve_primary(batch)
-    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
-    device = primary.device
-    te_on = te_path_active(use_te, device)  # before any work: use_te=always may refuse
-    segments = resolve_segments(batch, bsz, seq, device, seq_lens_sentinel)
-    caller_gave_positions = batch.get("position_ids") is not None
-    core = {k: v for k, v in batch.items() if k not in BOUNDARY_KEYS and k not in METADATA_KEYS}
+    docs, segments = document_segments(batch, seq_lens_sentinel)
+    bsz, seq = docs.ids.shape
+    te_on = te_path_active(use_te, docs.ids.device)  # before any work: use_te=always may refuse
+    core = {k: v for k, v in without_document_keys(batch, docs).items()
+            if k not in BOUNDARY_KEYS and k not in METADATA_KEYS}
     nb = normalize_batch(core, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
     multiple = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
@@ -170,9 +177,8 @@ def shard_batch_thd(
         fill = pad_value_for(key, t, padding_token_id, extra_pad_values)
         out[key] = _map_rows(t, dim, src, added, fill)
     pos_dim = nb.seq_dims["position_ids"]
-    out["position_ids"] = _local_positions(
-        nb.batch["position_ids"] if caller_gave_positions else None, pos_dim, stream, seg,
-        offset)
+    out["position_ids"] = _local_positions(nb.batch["position_ids"], pos_dim, stream, seg,
+                                           offset)
     caller_pad = nb.batch.get("padding_mask")
     boundary_pad = offset >= segments.length[seg]
     out["padding_mask"] = boundary_pad if caller_pad is None else \
@@ -198,4 +204,4 @@ def shard_batch_thd(
     return _ctx_factory(make_transport_ctx(plan), te_on, cp_mesh, cp_comm_type), out, layout
 
 
-__all__ = ["shard_batch_thd", "plan_stream", "METADATA_KEYS"]
+__all__ = ["shard_batch_thd", "plan_stream", "document_segments", "METADATA_KEYS"]

@@ -1,0 +1,166 @@
+"""The independent truth every backend is compared with: no sharder, no resolver, loops.
+
+A packed batch is read here by plain Python loops, written from the documented conventions
+and sharing no code with :mod:`cp_core.documents`: which token belongs to which document
+(``_packed_seq_ids``; else ``attention_mask`` holding ids above 1; else ``seq_lens``; else
+``position_ids`` that go back to 0, a document
+starting at each row start and each 0; else one document per row), which tokens are pad
+(``padding_mask`` True, a 2-D ``attention_mask`` 0, id 0 / past the listed lengths), and the
+RoPE positions (the caller's ``position_ids``, else ``0 .. S-1`` per row). A 4-D
+``attention_mask [B, 1, S, S]`` is used as the allowed-pair matrix itself.
+
+:func:`truth_step` runs the unsharded model with every SDPA call given that explicit boolean
+mask (``F.scaled_dot_product_attention(q, k, v, attn_mask=...)``) and the loss by plain
+``F.cross_entropy`` over the unsharded labels: the loss and gradients a correct backend must
+reproduce at any CP size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rows(t: Any, bsz: int) -> list[list[int]] | None:
+    """A ``[B, S]`` / ``[1, S]`` / ``[S]`` integer tensor as B lists, else None."""
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dim() > 2:
+        return None
+    t = t.reshape(1, -1) if t.dim() == 1 else t
+    t = t.expand(bsz, t.shape[1]) if t.shape[0] == 1 else t
+    return [list(map(int, r)) for r in t.tolist()]
+
+
+def truth_documents(batch: Mapping[str, Any]) -> list[list[int]]:
+    """Document number of every token, per row (1, 2, ... in order; 0 == pad), by loops."""
+    primary = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
+    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
+    docs: list[list[int]] = []
+    packed = _rows(batch.get("_packed_seq_ids"), bsz)
+    lens = _rows(batch.get("seq_lens"), bsz)
+    padded = _rows(batch.get("seq_lens_padded"), bsz)
+    pos = _rows(batch.get("position_ids"), bsz)
+    indexed = _rows(batch.get("attention_mask"), bsz)
+    if indexed is not None and max(max(r) for r in indexed) <= 1:
+        indexed = None  # a validity mask, read as pad below
+    for b in range(bsz):
+        row = [1] * seq
+        if packed is not None:
+            row = list(packed[b])
+        elif indexed is not None:
+            row = list(indexed[b])
+        elif lens is not None:
+            row = [0] * seq
+            start, doc = 0, 0
+            for i, n in enumerate(lens[b]):
+                if n < 0:
+                    break
+                doc += 1
+                span = padded[b][i] if padded is not None else n
+                for j in range(start, start + n):
+                    row[j] = doc
+                start += span
+        elif pos is not None:
+            doc = 0
+            for j in range(seq):
+                if j == 0 or pos[b][j] == 0:
+                    doc += 1
+                row[j] = doc
+        docs.append(row)
+    for key, pad_when in (("padding_mask", True), ("attention_mask", False)):
+        m = batch.get(key)
+        if isinstance(m, torch.Tensor) and m.dim() == 2:
+            for b, r in enumerate(m.tolist()):
+                for j, v in enumerate(r):
+                    if bool(v) == pad_when:
+                        docs[b][j] = 0
+    return docs
+
+
+def truth_mask(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Bool ``[B, 1, S, S]``: query i may see key j (same document, both real, j <= i).
+
+    Pad query rows see only themselves (their outputs are never read; this keeps SDPA finite).
+    """
+    mask4 = batch.get("attention_mask")
+    docs = truth_documents(batch)
+    bsz, seq = len(docs), len(docs[0])
+    allowed = torch.zeros(bsz, 1, seq, seq, dtype=torch.bool)
+    for b in range(bsz):
+        for i in range(seq):
+            for j in range(i + 1):
+                allowed[b, 0, i, j] = docs[b][i] != 0 and docs[b][i] == docs[b][j]
+    if isinstance(mask4, torch.Tensor) and mask4.dim() == 4:
+        m = mask4.bool() if not mask4.is_floating_point() else (mask4 == 0 if bool(
+            (mask4 < 0).any()) else mask4 != 0)
+        allowed = m.clone()
+        for b in range(bsz):
+            for i in range(seq):
+                if not bool(allowed[b, 0, i, i]):
+                    allowed[b, 0, i, :] = False
+    for b in range(bsz):
+        for i in range(seq):
+            if not bool(allowed[b, 0, i].any()):
+                allowed[b, 0, i, i] = True
+    return allowed
+
+
+def truth_positions(batch: Mapping[str, Any]) -> torch.Tensor:
+    """RoPE positions ``[B, S]``: the caller's, else ``0 .. S-1`` on every row."""
+    primary = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
+    bsz, seq = int(primary.shape[0]), int(primary.shape[1])
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor):
+        return pos.reshape(-1, seq).expand(bsz, seq)
+    return torch.arange(seq).unsqueeze(0).expand(bsz, seq)
+
+
+@contextlib.contextmanager
+def explicit_mask_sdpa(mask: torch.Tensor) -> Iterator[None]:
+    """Within the block, every ``F.scaled_dot_product_attention`` call ignores ``is_causal``
+    and uses ``mask`` (``[B, 1, S, S]``, True == attend) instead."""
+    original = F.scaled_dot_product_attention
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return original(q, k, v, attn_mask=mask.to(q.device), scale=scale)
+
+    F.scaled_dot_product_attention = masked
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def truth_step(model: nn.Module, batch: Mapping[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+    """``(loss, gradients)`` of the unsharded model on ``batch`` under the truth mask, the loss
+    being the mean ``F.cross_entropy`` over the labels that are not -100 (a copy of ``model``
+    is used; the caller's gradients are untouched)."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    kwargs: dict[str, Any] = {"position_ids": truth_positions(batch)}
+    if batch.get("input_ids") is not None:
+        kwargs["input_ids"] = batch["input_ids"]
+    else:
+        kwargs["inputs_embeds"] = batch["inputs_embeds"]
+    with explicit_mask_sdpa(truth_mask(batch)):
+        logits = ref(**kwargs)
+    labels = batch["labels"].long()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                           ignore_index=-100)
+    loss.backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in ref.named_parameters()}
+    return float(loss.detach()), grads
+
+
+__all__ = ["truth_documents", "truth_mask", "truth_positions", "explicit_mask_sdpa",
+           "truth_step"]
