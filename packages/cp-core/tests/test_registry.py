@@ -99,6 +99,17 @@ def test_config_validation_errors() -> None:
         resolve_config({"size": 2})
 
 
+def test_size_comes_from_the_mesh_when_unset() -> None:
+    sharder = build_sharder({"backend": "round_robin"}, SimulatedCPMesh(1, 4))
+    sharder.shard({"input_ids": torch.ones(1, 16, dtype=torch.long),
+                   "labels": torch.ones(1, 16, dtype=torch.long)})
+    # Head-tail at cp=4 on 16 tokens: rank 1 holds chunks 1 and 6 of 2 tokens.
+    assert sharder.shard_layout.local_token_global_indices.tolist() == [2, 3, 12, 13]
+    assert build_sharder({"backend": "identity"}, None) is not None
+    with pytest.raises(CPConfigError, match=r"cp.size=1 but the CP mesh has 2"):  # identity: 1
+        build_sharder({"backend": "identity"}, SimulatedCPMesh(0, 2))
+
+
 def test_mesh_size_must_match_config() -> None:
     with pytest.raises(CPConfigError, match=r"cp.size=4 but the CP mesh has 2"):
         build_sharder({"backend": "round_robin", "size": 4}, SimulatedCPMesh(0, 2))

@@ -211,10 +211,13 @@ def run_app(spec: AppSpec, task: Callable[[Any], Any], argv: Sequence[str]) -> i
     if args.help:
         from cp_core.cli.help import store_help
 
-        argv.append(f"hydra/help={store_help(spec)}")
-    sys.argv = [spec.prog, *argv]
-    hydra.main(version_base=None, config_path=CONFIG_PATH,
-               config_name=spec.config_name)(guard(spec, task))()
+        argv.insert(0, f"hydra/help={store_help(spec)}")  # before any flag: argparse wants it so
+    saved, sys.argv = sys.argv, [spec.prog, *argv]  # hydra.main reads the command line there
+    try:
+        hydra.main(version_base=None, config_path=CONFIG_PATH,
+                   config_name=spec.config_name)(guard(spec, task))()
+    finally:
+        sys.argv = saved
     return 0
 
 
