@@ -23,6 +23,13 @@ class MagiConfig(CPBackendConfig):
     chunks_per_rank: int | None = Field(None, ge=1)
     """Chunks each rank holds (8 when neither this nor chunk_size is set); with chunk_size too,
     the stream has the fixed length cp * chunks_per_rank * chunk_size and longer batches raise."""
+    split: int = Field(8, ge=1)
+    """When equal chunks cannot balance the work (large CP, long documents), cut the heaviest
+    ones into this many equal pieces (every rank still holds the same number of tokens);
+    1 keeps equal chunks."""
+    split_tolerance: float = Field(1e-3, gt=0)
+    """Cut chunks until the floor (best max/mean work any assignment of the chunks reaches) is
+    at most 1 + this."""
     solver: Literal["best", "greedy"] = "best"
     """Dispatch solver: best (balanced construction + exchange local search, exact when small)
     or greedy (MagiAttention's min-heap baseline)."""
@@ -53,7 +60,8 @@ def make_sharder(cfg: MagiConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextP
                                   block_size=common["block_size"])
     shard = partial(
         shard_batch_magi, chunk_size=cfg.chunk_size, chunks_per_rank=cfg.chunks_per_rank,
-        solver=cfg.solver, mask=cfg.mask, chunk_multiple=multiple,
+        solver=cfg.solver, mask=cfg.mask, chunk_multiple=multiple, split=cfg.split,
+        split_tolerance=cfg.split_tolerance,
         attention=common["attention"], window=common["window"], chunk=common["chunk"],
         transport_options=common["transport_options"], use_magi_kernels=cfg.use_magi_kernels,
     )

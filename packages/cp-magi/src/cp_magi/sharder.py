@@ -6,8 +6,11 @@
    batch's boundaries (or another attention kind of the config), a shared prefix, or the
    caller's own :class:`~cp_magi.mask.AttnRectangles` under the batch key ``attn_rectangles``.
 3. The stream is padded to ``cp * chunks_per_rank * chunk_size`` and cut into equal chunks; the
-   exact mask area of each chunk is its workload, and the solver gives every rank the same
-   number of chunks with the largest per-rank workload as small as it can.
+   exact mask area of each chunk is its workload. When equal chunks cannot balance the work
+   (their floor is above ``1 + split_tolerance``), the heaviest ones are cut into ``split``
+   pieces (:mod:`cp_magi.chunking`). The solver gives every rank the same number of chunks of
+   each size, hence the same number of tokens, with the largest per-rank workload as small as
+   it can.
 4. Rank r's local tokens are its chunks in ascending global order. Every rank solves alone
    (the solver is deterministic), so ``rank_global_indices`` is known without communication
    and a gather moves data only.
@@ -35,6 +38,7 @@ from cp_core.layout import ShardLayout, round_up
 from cp_core.mesh import cp_rank, cp_size
 from cp_core.documents import Documents, resolve_documents, without_document_keys
 from cp_magi.documents import RealKeyMask, span_rows, stream_spans
+from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, plan_chunks, rank_token_indices
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
@@ -56,6 +60,18 @@ class MagiPlan:
     workloads: np.ndarray
     assignment: Assignment
     rectangles: AttnRectangles
+    chunks: ChunkPlan
+
+    @property
+    def floor(self) -> float:
+        """Best max/mean work any assignment of the chosen chunks reaches (the solver's
+        lower bound over the mean): when it is near ``balance``, only finer chunks help."""
+        return self.chunks.floor
+
+    @property
+    def balance(self) -> float:
+        """Achieved max/mean attention work over the ranks."""
+        return self.assignment.imbalance
 
 
 def check_chunk_size(chunk_size: int | None, chunk_multiple: int) -> None:
@@ -142,7 +158,8 @@ def shard_batch_magi(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0, *, chunk_size: int | None = None,
     chunks_per_rank: int | None = None, solver: SolverName = "best",
-    mask: MaskSource = "documents", chunk_multiple: int = 1, attention: str = "causal",
+    mask: MaskSource = "documents", chunk_multiple: int = 1, split: int = 8,
+    split_tolerance: float = DEFAULT_SPLIT_TOLERANCE, attention: str = "causal",
     window: int | None = None, chunk: int | None = None,
     transport_options: Mapping[str, Any] | None = None, use_magi_kernels: MagiKernelMode = "never",
 ) -> ShardResult:
@@ -164,12 +181,12 @@ def shard_batch_magi(
     padded = size * cpr * csize
     pad_len = padded - stream_len
     rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, attention, window, chunk)
-    workloads = rect_mask.chunk_workloads(csize)
-    assignment = solve(workloads, size, solver)
+    chunks = plan_chunks(rect_mask, size, csize, cpr, split=split, tolerance=split_tolerance,
+                         chunk_multiple=chunk_multiple)
+    assignment = solve(chunks.workloads, size, solver,
+                       classes=chunks.classes if chunks.n_classes > 1 else None)
     device = nb.primary.device
-    offsets = torch.arange(csize, dtype=torch.long)
-    ranks = (torch.from_numpy(assignment.rank_chunks).long().unsqueeze(-1) * csize
-             + offsets).reshape(size, -1).to(device)
+    ranks = torch.from_numpy(rank_token_indices(chunks, assignment.rank_chunks)).to(device)
     local = ranks[rank]
 
     out = dict(nb.batch)
@@ -191,7 +208,7 @@ def shard_batch_magi(
         input_row_shape=(bsz, seq),
         input_token_stream_positions=torch.arange(stream_len, device=device).view(bsz, seq),
         rank_global_indices=ranks, pad_multiple=size * csize, cp_rank=rank, cp_size=size,
-        extras={"magi": MagiPlan(csize, cpr, workloads, assignment, rect_mask)},
+        extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},
     )
     token_mask: Any = RectangleTokenMask.from_rectangles(rect_mask, device)
     if rects is None and _has_holes(docs):

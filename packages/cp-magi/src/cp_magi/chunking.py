@@ -1,0 +1,140 @@
+"""Chunking that adapts to the work: equal chunks, the heaviest ones cut finer when needed.
+
+The stream (``cp * chunks_per_rank * chunk_size`` tokens) is first cut into equal *coarse*
+chunks. When their floor (the solver's lower bound over the mean: no assignment of these
+chunks does better) is above ``1 + tolerance`` — at large CP one chunk late in a long
+document can carry more work than a rank's share — the heaviest coarse chunks are cut into
+``split`` equal *fine* pieces, ``cp`` coarse chunks at a time, doubling the count until the
+floor is within the tolerance or every chunk is split.
+
+Splitting ``cp * j`` coarse chunks leaves ``cp * (chunks_per_rank - j)`` coarse chunks and
+``cp * j * split`` fine ones: both counts divide by ``cp``, so with the solver giving every
+rank the same number of chunks of each class (:func:`cp_magi.solver.solve` with ``classes``),
+every rank holds exactly ``chunks_per_rank * chunk_size`` tokens. Nothing is padded per
+document; the layout stays a list of global index runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cp_magi.mask import AttnRectangles
+from cp_magi.solver import lower_bound
+from cp_magi.solver_rows import descending_order
+
+#: Default floor tolerance: split until no assignment is forced above ``1 + 1e-3``.
+DEFAULT_SPLIT_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The chunks of one stream, in ascending global order.
+
+    Attributes:
+        starts: ``[n]`` first stream position of every chunk.
+        lengths: ``[n]`` tokens of every chunk (``chunk_size`` or ``chunk_size / split``).
+        classes: ``[n]`` 0 for coarse chunks, 1 for fine pieces.
+        workloads: ``[n]`` exact mask area of every chunk's query rows.
+        floor: lower bound of the best max/mean work of any assignment of these chunks.
+        coarse_floor: the same for the equal coarse chunks alone (before any split).
+        split_chunks: how many coarse chunks were cut.
+    """
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    classes: np.ndarray
+    workloads: np.ndarray
+    floor: float
+    coarse_floor: float
+    split_chunks: int
+
+    @property
+    def n_classes(self) -> int:
+        """1 when every chunk is coarse, else 2."""
+        return 2 if self.split_chunks else 1
+
+
+def split_factor(chunk_size: int, split: int, chunk_multiple: int = 1) -> int:
+    """The largest factor ``m <= split`` (``m >= 2``) with pieces of ``chunk_size / m`` tokens
+    that are a multiple of ``chunk_multiple``; 1 when there is none (no splitting)."""
+    for m in range(min(split, chunk_size), 1, -1):
+        if chunk_size % m == 0 and (chunk_size // m) % chunk_multiple == 0:
+            return m
+    return 1
+
+
+def _floor(work: np.ndarray, cp: int, classes: np.ndarray | None) -> float:
+    mean = float(work.sum()) / cp
+    return lower_bound(work, cp, classes) / mean if mean > 0 else 1.0
+
+
+def plan_chunks(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank: int, *,
+                split: int = 8, tolerance: float = DEFAULT_SPLIT_TOLERANCE,
+                chunk_multiple: int = 1) -> ChunkPlan:
+    """Chunks of the ``rects.seq_len``-token stream for ``cp`` ranks (module docstring).
+
+    ``rects.seq_len`` must be ``cp * chunks_per_rank * chunk_size``; ``split=1`` keeps the
+    equal chunks whatever their floor.
+    """
+    n0 = cp * chunks_per_rank
+    coarse = rects.chunk_workloads(chunk_size)
+    starts0 = np.arange(n0, dtype=np.int64) * chunk_size
+    coarse_floor = _floor(coarse, cp, None)
+    m = split_factor(chunk_size, split, chunk_multiple)
+    plain = ChunkPlan(starts0, np.full(n0, chunk_size, dtype=np.int64),
+                      np.zeros(n0, dtype=np.int64), coarse, coarse_floor, coarse_floor, 0)
+    if m == 1 or coarse_floor <= 1.0 + tolerance:
+        return plain
+    heavy = descending_order(coarse)
+    piece = chunk_size // m
+    # Fine workloads of a coarse chunk, computed only for the chunks actually cut.
+    fine_cache: dict[int, np.ndarray] = {}
+
+    def fine_of(ids: np.ndarray) -> np.ndarray:
+        todo = [i for i in ids.tolist() if i not in fine_cache]
+        if todo:
+            edges = (starts0[todo][:, None] + piece * np.arange(m + 1)).reshape(-1)
+            areas = np.diff(rects.prefix_area(edges).reshape(len(todo), m + 1), axis=1)
+            for i, row in zip(todo, areas):
+                fine_cache[i] = row
+        return np.stack([fine_cache[i] for i in ids.tolist()])
+
+    s = cp
+    while True:
+        cut = np.zeros(n0, dtype=bool)
+        cut[heavy[:s]] = True
+        kept = np.nonzero(~cut)[0]
+        split_ids = np.nonzero(cut)[0]
+        fine = fine_of(split_ids)
+        starts = np.concatenate([starts0[kept],
+                                 (starts0[split_ids][:, None] + piece * np.arange(m)).ravel()])
+        work = np.concatenate([coarse[kept], fine.ravel()])
+        lengths = np.concatenate([np.full(kept.size, chunk_size, np.int64),
+                                  np.full(split_ids.size * m, piece, np.int64)])
+        classes = np.concatenate([np.zeros(kept.size, np.int64),
+                                  np.ones(split_ids.size * m, np.int64)])
+        order = np.argsort(starts, kind="stable")
+        starts, work, lengths, classes = starts[order], work[order], lengths[order], classes[order]
+        floor = _floor(work, cp, classes if kept.size else None)
+        if floor <= 1.0 + tolerance or s >= n0:
+            return ChunkPlan(starts, lengths, classes, work, floor, coarse_floor, s)
+        s = min(n0, 2 * s)
+
+
+def rank_token_indices(plan: ChunkPlan, rank_chunks: np.ndarray) -> np.ndarray:
+    """``[cp, tokens_per_rank]`` global token indices of every rank: its chunks (ids of
+    ``plan``, ascending, hence in global order) laid end to end."""
+    cp = rank_chunks.shape[0]
+    ids = rank_chunks.reshape(-1)
+    lengths = plan.lengths[ids]
+    total = int(lengths.sum())
+    # Run-length expansion: each chunk contributes arange(start, start + length).
+    offsets = np.cumsum(lengths) - lengths
+    idx = np.repeat(plan.starts[ids] - offsets, lengths) + np.arange(total, dtype=np.int64)
+    return idx.reshape(cp, -1)
+
+
+__all__ = ["ChunkPlan", "DEFAULT_SPLIT_TOLERANCE", "plan_chunks", "rank_token_indices",
+           "split_factor"]
