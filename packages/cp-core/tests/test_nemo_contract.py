@@ -64,7 +64,8 @@ def _batch(seq: int, rows: int = 1) -> dict[str, torch.Tensor]:
 
 def _static(mesh: Any, index_fn: Any = contiguous_local_indices, **kw: Any
             ) -> ContextParallelSharder:
-    return ContextParallelSharder(device_mesh=Named(cp=mesh), shard_batch=cp_core.shard_batch_contiguous,
+    return ContextParallelSharder(device_mesh=Named(cp=mesh),
+                                  shard_batch=cp_core.shard_batch_contiguous,
                                   local_token_global_indices=index_fn, **kw)
 
 

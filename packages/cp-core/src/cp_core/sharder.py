@@ -14,7 +14,7 @@ device_mesh, batch)`` with the backend chosen through the registry (the resoluti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import torch
 
@@ -202,7 +202,6 @@ class ContextParallelSharder:
         layout = self._known_layout()
         if layout is None:
             self._no_layout_for_gather(trim)
-        assert layout is not None
         padded = self._stream_len(layout)
         local = self._indices(padded, tensor.device, "gather_token_tensor")
         if (layout.input_row_shape is not None and isinstance(tensor, torch.Tensor)
@@ -314,7 +313,7 @@ class ContextParallelSharder:
             ) from exc
         return shard_token_tensor_by_indices(tensor, idx, dim)
 
-    def _no_layout_for_gather(self, trim: bool) -> None:
+    def _no_layout_for_gather(self, trim: bool) -> NoReturn:
         # Data-dependent first: that is the more fundamental reason nothing can be placed.
         if self.local_token_global_indices is None:
             raise self._data_dependent("gather_token_tensor")
