@@ -57,6 +57,9 @@ class LayoutPlan:
         doc_ids: ``[R, S_stream]`` document id per stream position (0 = pad) of each stream
             row, when the plan's mask is a :class:`DocumentMask`; else None.
         original_seq_len / padded_seq_len: the layout's lengths.
+        work_floor: the best work max/mean any assignment of the layout's units reaches,
+            when the layout reports one (an ``extras`` value with a ``floor``, as the magi
+            chunks do): next to :attr:`work_balance` it says whether finer units would help.
     """
 
     backend: str
@@ -66,6 +69,7 @@ class LayoutPlan:
     doc_ids: torch.Tensor | None
     original_seq_len: int | None
     padded_seq_len: int | None
+    work_floor: float | None = None
 
     @property
     def has_work(self) -> bool:
@@ -106,6 +110,7 @@ class LayoutPlan:
                       for r in self.ranks],
             "total_work": self.total_work,
             "work_balance": self.work_balance,
+            "work_floor": self.work_floor,
             "token_balance": self.token_balance,
             "pad_tokens": sum(r.pad_tokens for r in self.ranks),
         }
@@ -250,9 +255,13 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
                                   block_elements=block_elements)
         ranks.append(RankPlan(rank=r, tokens=tokens, pad_tokens=pad, work=work))
     assert owner is not None and first is not None
+    # Any layout may report the floor of its units; nothing here knows which backend does.
+    floors = [float(v.floor) for v in (first.extras or {}).values()
+              if isinstance(getattr(v, "floor", None), (int, float))]
     return LayoutPlan(backend=backend.name, cp_size=size, ranks=tuple(ranks), owner=owner,
                       doc_ids=doc_ids, original_seq_len=first.original_seq_len,
-                      padded_seq_len=first.padded_seq_len)
+                      padded_seq_len=first.padded_seq_len,
+                      work_floor=floors[0] if floors else None)
 
 
 __all__ = ["RankPlan", "LayoutPlan", "attention_work", "plan_layout", "DEFAULT_BLOCK_ELEMENTS"]

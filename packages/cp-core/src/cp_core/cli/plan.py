@@ -143,6 +143,8 @@ def format_plan(plan: LayoutPlan, description: str, shape: Sequence[int]) -> str
         f"max/mean: tokens {plan.token_balance:.4f}, attention work "
         + (f"{wb:.4f} (total {plan.total_work:,})" if wb is not None else
            "n/a (the backend's context activates no attention plan)")
+        + (f"; floor of the chosen chunks {plan.work_floor:.4f} (no assignment of them does "
+           f"better)" if plan.work_floor is not None else "")
     )
     return "\n".join(lines)
 
