@@ -317,18 +317,6 @@ CASES: list[Case] = [
     Case("labels-uint8", ALL, "`labels` of dtype uint8 (cannot hold -100)", CPBatchError,
          "batch['labels'] has dtype torch.uint8, which cannot hold the ignore index -100",
          make_batch=with_keys(labels=lambda: torch.ones(B, S, dtype=torch.uint8))),
-    Case("doc-ids-zero-based", ALL, "0-based `_packed_seq_ids` [0,0,0,0,1,...] with labels on "
-         "document 0", CPBatchError, "batch['_packed_seq_ids'] marks token (row 0, position 0) as "
-         "pad but batch['labels'] is not -100 there",
-         make_batch=with_keys(_packed_seq_ids=lambda: torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]] * B))),
-    Case("doc-sources-disagree", ALL, "`_packed_seq_ids` of one document per row next to "
-         "`position_ids` that restart", CPBatchError,
-         "conflicting document boundaries: batch['_packed_seq_ids'] and batch['position_ids'] "
-         "describe different documents (first at row 0, token 4)",
-         make_batch=with_keys(_packed_seq_ids=lambda: torch.ones(B, S, dtype=torch.long))),
-    Case("labels-uint8", ALL, "`labels` of dtype uint8 (cannot hold -100)", CPBatchError,
-         "batch['labels'] has dtype torch.uint8, which cannot hold the ignore index -100",
-         make_batch=with_keys(labels=lambda: torch.ones(B, S, dtype=torch.uint8))),
     # backend-specific requirements
     Case("contiguous-no-labels", ("contiguous",), "no `labels` and no `loss_mask`",
          CPBatchError, "needs 'labels' or a loss_mask", make_batch=with_keys(labels=None)),
