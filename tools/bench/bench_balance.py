@@ -28,8 +28,18 @@ from cp_core.mesh import SimulatedCPMesh
 from backends import benchmark_backends, make_sharder
 from report import make_result, percentile
 
-COLUMNS = ["backend", "cp", "rows", "work_mean", "work_p95", "work_worst", "tokens_mean",
-           "tokens_worst", "pad_pct"]
+COLUMNS = ["backend", "cp", "rows", "work_mean", "work_p95", "work_worst", "floor_mean",
+           "floor_p95", "tokens_mean", "tokens_worst", "pad_pct"]
+
+
+def layout_floor(layout: ShardLayout) -> float | None:
+    """The floor a layout reports for its units (an ``extras`` value with a ``floor``: the
+    best work max/mean any assignment of them reaches), else None."""
+    for value in (layout.extras or {}).values():
+        floor = getattr(value, "floor", None)
+        if isinstance(floor, (int, float)):
+            return float(floor)
+    return None
 
 
 def slot_work(layout: ShardLayout, doc_pos: torch.Tensor, real: torch.Tensor
@@ -77,7 +87,9 @@ def row_stats(name: str, cp: int, sharder: Any, batch: dict[str, Any]) -> dict[s
     per_rank_work = work[ranks].sum(1)
     per_rank_tok = is_real[ranks].sum(1)
     n_real = float(real.sum())
+    floor = layout_floor(layout)
     return {
+        "floor": float("nan") if floor is None else floor,
         "work": float(per_rank_work.max() / per_rank_work.mean()),
         "tokens": float(per_rank_tok.max() / per_rank_tok.mean()),
         "pad_pct": 100.0 * (int(layout.padded_seq_len) - n_real) / n_real,
@@ -131,9 +143,12 @@ def run_balance(*, quick: bool = False, seed: int = 1234) -> dict[str, Any]:
             w = [s["work"] for s in stats[n]]
             t = [s["tokens"] for s in stats[n]]
             p = [s["pad_pct"] for s in stats[n]]
+            f = [s["floor"] for s in stats[n] if s["floor"] == s["floor"]]  # NaN: none
             rows_out.append({
                 "backend": n, "cp": cp, "rows": len(w),
                 "work_mean": sum(w) / len(w), "work_p95": percentile(w, 95), "work_worst": max(w),
+                "floor_mean": sum(f) / len(f) if f else None,
+                "floor_p95": percentile(f, 95) if f else None,
                 "tokens_mean": sum(t) / len(t), "tokens_worst": max(t),
                 "pad_pct": sum(p) / len(p),
             })
@@ -143,7 +158,9 @@ def run_balance(*, quick: bool = False, seed: int = 1234) -> dict[str, Any]:
                 "doc_cap": "row_len // 4", "quick": quick}
     notes.append("work = allowed (query, key) pairs of a rank's queries under document-causal "
                  "attention; ratios are max/mean over ranks, then mean / p95 / worst over rows; "
-                 "tokens = real (non-pad) tokens; pad_pct = slots added / real tokens")
+                 "tokens = real (non-pad) tokens; pad_pct = slots added / real tokens; "
+                 "floor = the best work max/mean any assignment of the layout's units reaches, "
+                 "for layouts that report it (magi's chunks), else empty")
     return make_result("balance", settings, rows_out, COLUMNS, notes)
 
 

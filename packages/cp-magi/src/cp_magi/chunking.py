@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cp_magi.mask import AttnRectangles
-from cp_magi.solver import lower_bound
+from cp_magi.solver import Assignment, SolverName, lower_bound, solve
 from cp_magi.solver_rows import descending_order
 
 #: Default floor tolerance: split until no assignment is forced above ``1 + 1e-3``.
@@ -72,11 +72,12 @@ def _floor(work: np.ndarray, cp: int, classes: np.ndarray | None) -> float:
 
 def plan_chunks(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank: int, *,
                 split: int = 8, tolerance: float = DEFAULT_SPLIT_TOLERANCE,
-                chunk_multiple: int = 1) -> ChunkPlan:
+                chunk_multiple: int = 1, min_split: int = 0) -> ChunkPlan:
     """Chunks of the ``rects.seq_len``-token stream for ``cp`` ranks (module docstring).
 
     ``rects.seq_len`` must be ``cp * chunks_per_rank * chunk_size``; ``split=1`` keeps the
-    equal chunks whatever their floor.
+    equal chunks whatever their floor; ``min_split`` cuts at least that many coarse chunks
+    (rounded up to a multiple of ``cp``) even when the floor does not ask for it.
     """
     n0 = cp * chunks_per_rank
     coarse = rects.chunk_workloads(chunk_size)
@@ -85,7 +86,7 @@ def plan_chunks(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank
     m = split_factor(chunk_size, split, chunk_multiple)
     plain = ChunkPlan(starts0, np.full(n0, chunk_size, dtype=np.int64),
                       np.zeros(n0, dtype=np.int64), coarse, coarse_floor, coarse_floor, 0)
-    if m == 1 or coarse_floor <= 1.0 + tolerance:
+    if m == 1 or (coarse_floor <= 1.0 + tolerance and min_split <= 0):
         return plain
     heavy = descending_order(coarse)
     piece = chunk_size // m
@@ -101,7 +102,7 @@ def plan_chunks(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank
                 fine_cache[i] = row
         return np.stack([fine_cache[i] for i in ids.tolist()])
 
-    s = cp
+    s = min(n0, max(cp, -(-min_split // cp) * cp))
     while True:
         cut = np.zeros(n0, dtype=bool)
         cut[heavy[:s]] = True
@@ -123,6 +124,38 @@ def plan_chunks(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank
         s = min(n0, 2 * s)
 
 
+def dispatch(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank: int, *,
+             split: int = 8, tolerance: float = DEFAULT_SPLIT_TOLERANCE,
+             chunk_multiple: int = 1, solver: SolverName = "best",
+             max_rounds: int = 3) -> tuple[ChunkPlan, Assignment]:
+    """Chunk the stream (:func:`plan_chunks`) and solve the assignment; while the achieved
+    max/mean work is above ``1 + tolerance`` although the floor promised better (the floor is
+    a bound, not always reachable: a few heavy chunks per rank may have no equal split), cut
+    twice as many chunks and solve again, up to ``max_rounds`` times, keeping the best."""
+    plan = plan_chunks(rects, cp, chunk_size, chunks_per_rank, split=split,
+                       tolerance=tolerance, chunk_multiple=chunk_multiple)
+    best = (plan, _solve(plan, cp, solver))
+    n0 = cp * chunks_per_rank
+    can_split = split_factor(chunk_size, split, chunk_multiple) > 1
+    for _ in range(max_rounds):
+        plan, assignment = best
+        if assignment.imbalance <= 1.0 + tolerance or not can_split or plan.split_chunks >= n0:
+            break
+        finer = plan_chunks(rects, cp, chunk_size, chunks_per_rank, split=split,
+                            tolerance=tolerance, chunk_multiple=chunk_multiple,
+                            min_split=max(cp, 2 * plan.split_chunks))
+        cand = _solve(finer, cp, solver)
+        if cand.imbalance < assignment.imbalance:
+            best = (finer, cand)
+        else:
+            break
+    return best
+
+
+def _solve(plan: ChunkPlan, cp: int, solver: SolverName) -> Assignment:
+    return solve(plan.workloads, cp, solver, classes=plan.classes if plan.n_classes > 1 else None)
+
+
 def rank_token_indices(plan: ChunkPlan, rank_chunks: np.ndarray) -> np.ndarray:
     """``[cp, tokens_per_rank]`` global token indices of every rank: its chunks (ids of
     ``plan``, ascending, hence in global order) laid end to end."""
@@ -136,5 +169,5 @@ def rank_token_indices(plan: ChunkPlan, rank_chunks: np.ndarray) -> np.ndarray:
     return idx.reshape(cp, -1)
 
 
-__all__ = ["ChunkPlan", "DEFAULT_SPLIT_TOLERANCE", "plan_chunks", "rank_token_indices",
+__all__ = ["ChunkPlan", "DEFAULT_SPLIT_TOLERANCE", "dispatch", "plan_chunks", "rank_token_indices",
            "split_factor"]

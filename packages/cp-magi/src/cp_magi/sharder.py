@@ -38,11 +38,11 @@ from cp_core.layout import ShardLayout, round_up
 from cp_core.mesh import cp_rank, cp_size
 from cp_core.documents import Documents, resolve_documents, without_document_keys
 from cp_magi.documents import RealKeyMask, span_rows, stream_spans
-from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, plan_chunks, rank_token_indices
+from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, dispatch, rank_token_indices
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
-from cp_magi.solver import Assignment, SolverName, solve
+from cp_magi.solver import Assignment, SolverName
 
 #: Batch key of a caller-supplied rectangle mask over the flat ``B*S`` stream.
 RECTANGLES_KEY = "attn_rectangles"
@@ -181,10 +181,9 @@ def shard_batch_magi(
     padded = size * cpr * csize
     pad_len = padded - stream_len
     rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, attention, window, chunk)
-    chunks = plan_chunks(rect_mask, size, csize, cpr, split=split, tolerance=split_tolerance,
-                         chunk_multiple=chunk_multiple)
-    assignment = solve(chunks.workloads, size, solver,
-                       classes=chunks.classes if chunks.n_classes > 1 else None)
+    chunks, assignment = dispatch(rect_mask, size, csize, cpr, split=split,
+                                  tolerance=split_tolerance, chunk_multiple=chunk_multiple,
+                                  solver=solver)
     device = nb.primary.device
     ranks = torch.from_numpy(rank_token_indices(chunks, assignment.rank_chunks)).to(device)
     local = ranks[rank]
