@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "bench" / "run.py"
-BENCHMARKS = ("balance", "host", "gather", "transport")
+BENCHMARKS = ("balance", "host", "gather", "transport", "step")
 COMMON_KEYS = {"benchmark", "command", "machine", "settings", "columns", "rows", "notes"}
 
 
@@ -101,7 +101,21 @@ def test_gather_fields(results: dict[str, dict]) -> None:
 
 
 def test_transport_fields(results: dict[str, dict]) -> None:
-    res = results["transport"]
+    rows = _ok_rows(results["transport"])
+    p2p = [r for r in rows if r["transport"] == "p2p"]
+    assert p2p, rows
+    for r in p2p:
+        # Facts of the plan, not of speed: the kernel pieces never compute more than 1.3x
+        # the allowed pairs, and at most two peers' needed K/V are held at once.
+        assert 1.0 <= r["area_vs_pairs"] <= 1.3, r
+        assert r["held_vs_local"] <= 2.0, r
+        assert r["recv_max_mb"] >= r["recv_mean_mb"] > 0, r
+    for r in rows:
+        assert r["t_ms"] > 0 and r["saved_vs_cp1"] > 0, r
+
+
+def test_step_fields(results: dict[str, dict]) -> None:
+    res = results["step"]
     rows = _ok_rows(res)
     assert [r["cp"] for r in rows] == res["settings"]["cp"]
     losses = [r["loss"] for r in rows]

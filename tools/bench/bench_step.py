@@ -1,4 +1,4 @@
-"""Transport: per-rank peak memory and time of one training step of the reference model.
+"""Step: per-rank peak memory and time of one training step of the reference model.
 
 One packed row of 16K tokens (``--quick``: 1K) from the shared histogram, the reference
 Llama-style decoder of :mod:`cp_core.testing.reference_model`, CP sizes 1, 2 and 4 on gloo
@@ -130,7 +130,7 @@ def transport_case(rank: int, world: int, name: str, tokens: int, repeats: int, 
             "mmap_threshold_fixed": mmapped}
 
 
-def run_transport(*, quick: bool = False, seed: int = 7,
+def run_step(*, quick: bool = False, seed: int = 7,
                   backends: tuple[str, ...] = ("round_robin",), budget_mb: float = 8.0,
                   regather_kv: bool = False) -> dict[str, Any]:
     """Measure every CP size in fresh gloo processes; the result record.
@@ -188,7 +188,7 @@ def run_transport(*, quick: bool = False, seed: int = 7,
                 "model": model_kwargs, "backends": list(backends), "quick": quick,
                 "attn_block_budget_mb": budget_mb, "attn_regather_kv": regather_kv,
                 "process_group": "gloo"}
-    return make_result("transport", settings, rows, COLUMNS, notes)
+    return make_result("step", settings, rows, COLUMNS, notes)
 
 
-__all__ = ["run_transport", "transport_case", "COLUMNS"]
+__all__ = ["run_step", "transport_case", "COLUMNS"]

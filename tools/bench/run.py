@@ -1,6 +1,6 @@
 """One entry point for the benchmarks: prints a table and writes JSON per benchmark.
 
-    python tools/bench/run.py {balance,host,gather,transport,all} [--quick] [--out DIR] [--peers]
+    python tools/bench/run.py {balance,host,gather,transport,step,all} [--quick] [--out DIR] [--peers]
 
 ``--quick`` runs tiny sizes in seconds (what the smoke test uses); ``--peers`` creates the
 peers' virtual environments under ``DIR/peer_venvs/`` (Megatron-Core, NeMo AutoModel; never in
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import DEFAULT_OUT, print_result, write_result  # noqa: E402
 
-BENCHMARKS = ("balance", "host", "gather", "transport")
+BENCHMARKS = ("balance", "host", "gather", "transport", "step")
 
 
 def _runner(name: str) -> Callable[..., dict[str, Any]]:
@@ -36,9 +36,13 @@ def _runner(name: str) -> Callable[..., dict[str, Any]]:
         from bench_gather import run_gather
 
         return run_gather
-    from bench_transport import run_transport
+    if name == "transport":
+        from bench_transport import run_transport
 
-    return run_transport
+        return run_transport
+    from bench_step import run_step
+
+    return run_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
     parser.add_argument("--transport-budget-mb", type=float, default=8.0,
-                        help="transport: attention score-block budget (cp.attn_block_budget_mb)")
+                        help="step: attention score-block budget (cp.attn_block_budget_mb)")
     parser.add_argument("--transport-regather-kv", action="store_true",
-                        help="transport: keep only local K/V for backward (cp.attn_regather_kv)")
+                        help="step: keep only local K/V for backward (cp.attn_regather_kv)")
     args = parser.parse_args(argv)
     names = BENCHMARKS if args.which == "all" else (args.which,)
     # One intra-op thread: on a small shared machine OpenMP's spinning worker threads turn
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs: dict[str, Any] = {"quick": args.quick}
         if name == "host":
             kwargs.update(peers=args.peers, out_dir=args.out)
-        if name == "transport":
+        if name == "step":
             kwargs.update(budget_mb=args.transport_budget_mb,
                           regather_kv=args.transport_regather_kv)
         try:

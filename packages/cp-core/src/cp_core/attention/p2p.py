@@ -30,7 +30,7 @@ from cp_core.attention.fused import PieceKernel, backward_pieces, forward_pieces
 from cp_core.attention.plan import AttentionPlan
 from cp_core.attention.rects import BandRects
 from cp_core.attention.slices import (Piece, Run, build_rank_slices, index_runs,
-                                      to_buffer_coords)
+                                      merge_full_pieces, to_buffer_coords)
 
 _TAG_KV, _TAG_KV_BWD, _TAG_GRAD = 0, 1, 2
 
@@ -99,7 +99,9 @@ def build_schedule(rects: BandRects, runs: list[list[Run]], rank: int) -> P2PSch
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
         recv = mine.needed.get(src, [])
-        pieces = to_buffer_coords(mine.by_src.get(src, []), recv) if recv else []
+        # In the buffer, ranges that were apart on the owner sit back to back: merge again.
+        pieces = merge_full_pieces(to_buffer_coords(mine.by_src.get(src, []), recv)) \
+            if recv else []
         # What dst will ask of us: the same cropping, seen from dst's queries.
         theirs = build_rank_slices(rects, runs[dst], {rank: runs[rank]})
         steps.append(RingStep(src, recv, pieces, dst, theirs.needed.get(rank, [])))
