@@ -72,6 +72,12 @@ def test_every_package_has_a_wheel_with_its_entry_points(wheelhouse: Path) -> No
     for backend in ("identity", "contiguous", "round_robin", "aux_only"):
         assert f"{backend} = cp_core.backends:" in eps
     assert "cp-plan = cp_core.cli.plan:main" in eps
+    # The Hydra configs and the search-path plugin travel in the wheel (same app everywhere).
+    assert {"cp_core/conf/cp_plan.yaml", "cp_core/conf/cp_demo.yaml",
+            "hydra_plugins/cp_core_searchpath/__init__.py", "cp_core/py.typed"} <= set(names)
+    for folder in MEMBERS:
+        with zipfile.ZipFile(wheels[project_name(folder).replace("-", "_")]) as zf:
+            assert any(n.endswith(".dist-info/licenses/LICENSE") for n in zf.namelist()), folder
 
 
 @pytest.mark.parametrize("extra", ["te", "magi", "blockdiag", "all"])
@@ -92,6 +98,17 @@ def test_te_extra_in_a_fresh_environment(fresh_env: FreshEnv) -> None:
     assert "te_thd" not in out["errors"], out["errors"].get("te_thd")
     assert "pip install 'cp-core[magi]'" in out["errors"]["magi"]
     assert out["errors"]["magi"].startswith("CPBackendNotFoundError")
+    # The wheel's apps behave as the checkout's: the same defaults and keys from any folder,
+    # and the uninstalled backend named with its install line in one line, exit code 2.
+    plan = fresh_env.run("cp-plan", "plan.docs=[3,5]", "hydra.run.dir=run").stdout
+    assert "backend=round_robin cp.size=2" in plan
+    job = fresh_env.run("cp-demo", "cp=te_thd", "demo.steps=3", "--cfg", "job").stdout
+    assert "backend: te_thd" in job and "steps: 3" in job
+    import subprocess
+
+    proc = subprocess.run([fresh_env.script("cp-plan"), "cp=magi"], cwd=fresh_env.root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "pip install 'cp-core[magi]'" in proc.stderr
 
 
 @pytest.mark.parametrize("folder", MEMBERS, ids=[m.name for m in MEMBERS])
