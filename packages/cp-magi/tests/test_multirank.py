@@ -3,7 +3,7 @@
 Conformance: layout partition, round trips, pad fills, gradient routing and CP=2/4 parity on
 packed document-causal batches. Own cases: identical solver answers in separate processes, and
 training-step parity at CP=2 and CP=4 against CP=1 on a shared-prefix mask, on packed
-sliding-window batches (greedy solver) and with a fixed chunk size. One pool of real gloo
+sliding-window batches (greedy solver), with a fixed chunk size and with uneven (split) chunks. One pool of real gloo
 ranks (``cp_rank_pool``, imported from the suite) serves every multi-rank check here.
 """
 
@@ -86,6 +86,10 @@ CASES: dict[str, tuple[dict, Any]] = {
         lambda seed: packed_batch([[17, 30, 8], [41, 11]], 57, seed)),
     "packed_chunk_size": ({"backend": "magi", "chunk_size": 4},
                           lambda seed: packed_batch([[3, 25, 19], [2, 40, 6]], 53, seed)),
+    # Two coarse chunks per rank cannot balance one long document: heavy chunks are cut into
+    # 4 pieces, so ranks hold chunks of two lengths (test_chunking checks that they do).
+    "uneven_chunks": ({"backend": "magi", "chunks_per_rank": 2, "split": 4},
+                      lambda seed: packed_batch([[60, 4, 30], [80, 10]], 96, seed)),
 }
 
 
