@@ -199,7 +199,9 @@ class _P2PAttention(torch.autograd.Function):
             if sched.steps else None
         backward_pieces(kernel, q, k, v, sched.local, scale, out, lse, grad_out, dq,
                         dkv[..., :dk_], dkv[..., dk_:])
-        grads: list[tuple[_Exchange, RingStep]] = []
+        # At most one gradient exchange is in flight: step i's is waited for at step i + 1,
+        # so backward holds no more remote rows than the forward did (plus one dK/dV share).
+        in_flight: tuple[_Exchange, RingStep] | None = None
         for i, step in enumerate(sched.steps):
             assert pending is not None
             buf = pending.wait()
@@ -210,20 +212,28 @@ class _P2PAttention(torch.autograd.Function):
                 dbuf = torch.zeros(buf.shape, dtype=acc_dt, device=buf.device)
                 backward_pieces(kernel, q, buf[..., :dk_], buf[..., dk_:], step.pieces, scale,
                                 out, lse, grad_out, dq, dbuf[..., :dk_], dbuf[..., dk_:])
+            del buf
+            _land(in_flight, dkv)
             # The peer's share goes back to its owner (src); ours comes from dst.
             back = RingStep(step.dst, step.send_ranges, [], step.src, step.recv_ranges)
-            ex = _exchange_grad(group, dbuf, back, dkv, sched.stats)
-            grads.append((ex, back))
-            del buf
-        for ex, back in grads:
-            got = ex.wait()
-            if got is not None:
-                pos = 0
-                for a, b_ in back.recv_ranges:
-                    dkv[:, :, a:b_] += got[:, :, pos:pos + b_ - a]
-                    pos += b_ - a
+            in_flight = (_exchange_grad(group, dbuf, back, dkv, sched.stats), back)
+        _land(in_flight, dkv)
         return (dq.to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype),
                 None, None, None, None)
+
+
+def _land(in_flight: tuple[_Exchange, RingStep] | None, dkv: torch.Tensor) -> None:
+    """Wait for a gradient exchange and add the rows it brought into our ``dkv``."""
+    if in_flight is None:
+        return
+    ex, back = in_flight
+    got = ex.wait()
+    if got is None:
+        return
+    pos = 0
+    for a, b in back.recv_ranges:
+        dkv[:, :, a:b] += got[:, :, pos:pos + b - a]
+        pos += b - a
 
 
 def _exchange_grad(group: Any, dbuf: torch.Tensor | None, back: RingStep, dkv: torch.Tensor,
