@@ -226,8 +226,8 @@ def solve(workloads: Sequence[float] | np.ndarray, cp: int, method: SolverName =
         method: ``"best"`` (default) or ``"greedy"`` (MagiAttention's min-heap baseline).
         classes: ``[n]`` class of every chunk (None: one class); with chunks of one token
             length per class, every rank then holds the same number of tokens.
-        max_iters: cap on exchange moves per phase (default ``16 * cp`` for the row phase and
-            ``8 * n`` for the small-instance search).
+        max_iters: cap on exchange moves per phase (default ``4 * cp + 64`` for the row phase,
+            which needs a few per rank, and ``8 * n`` for the small-instance search).
         rel_tol: the heuristic phases stop once the max load is within this relative distance
             of the lower bound (instances of at most :data:`EXACT_MAX_CHUNKS` chunks are still
             solved exactly).
@@ -255,7 +255,7 @@ def solve(workloads: Sequence[float] | np.ndarray, cp: int, method: SolverName =
     small = cls is None and n // cp <= PAIR_EXACT_MAX_PER_RANK
     grid, loads = construct(w, cp, rows)
     grid, loads = exchange(w, grid, loads, row_class, target,
-                           16 * cp if max_iters is None else max_iters, deep=not small)
+                           4 * cp + 64 if max_iters is None else max_iters, deep=not small)
     best = grid_chunk_rank(grid, n)
     if loads.max() <= target or not small:
         return _finish(w, cp, best, "best", bound)

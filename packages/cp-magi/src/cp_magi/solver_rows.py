@@ -156,16 +156,34 @@ def _best_two_rows(wgrid: np.ndarray, loads: np.ndarray, a: int, partners: np.nd
     return np.asarray([i[p], j[p]]), int(partners[flat % partners.size])
 
 
+#: Cross-row swaps are searched by one broadcast table up to this many entries.
+CROSS_TABLE_MAX = 1 << 18
+
+
 def _best_cross_swap(wgrid: np.ndarray, row_class: np.ndarray, loads: np.ndarray, a: int,
                      partners: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
     """The best 1-1 swap between any two slots of one class (not only one row) of ``a`` and
-    one of ``partners``: ``(row of a, row of b, partner)``, or None. Sorted search per
-    partner and class: the ``d`` nearest half the gap is the best one."""
+    one of ``partners``: ``(row of a, row of b, partner)``, or None.
+
+    Small classes: one ``[rows_a, rows_b, partners]`` table of every swap. Large ones: per
+    partner, a sorted search (the ``d`` nearest half the gap is the best one there)."""
     la = loads[a]
     best: tuple[float, int, int, int] | None = None
     for c in np.unique(row_class).tolist():
         rows = np.nonzero(row_class == c)[0]
         va = wgrid[rows, a]
+        if rows.size * rows.size * partners.size <= CROSS_TABLE_MAX:
+            vb = wgrid[np.ix_(rows, partners)]  # [rows, partners]
+            d = va[:, None, None] - vb[None, :, :]
+            gap = la - loads[partners]
+            new = np.maximum(la - d, loads[partners] + d).astype(np.float64)
+            new = np.where((d > 0) & (d < gap), new, np.inf)
+            flat = int(np.argmin(new))  # first minimum: deterministic
+            x, rest = divmod(flat, rows.size * partners.size)
+            y, j = divmod(rest, partners.size)
+            if np.isfinite(new.flat[flat]) and (best is None or new.flat[flat] < best[0]):
+                best = (float(new.flat[flat]), int(rows[x]), int(rows[y]), int(partners[j]))
+            continue
         for b in partners.tolist():
             gap = la - loads[b]
             vb = wgrid[rows, b]
