@@ -4,9 +4,9 @@ A CP step is a sequence of collectives every rank must enter. When one rank rais
 collective (a bad batch on that rank only), the others wait in theirs; without a bound they
 wait forever and the job looks alive while doing nothing. Here every process group is created
 with a bounded collective timeout (``RankPool(collective_timeout_s=...)``); the tests show a
-one-rank failure ending the whole group with an error within that bound, both in the
-``verify_layout`` check (which turns the wait into a :class:`CPLayoutError` naming the likely
-cause) and in ``gather_token_tensor``. Each failing scenario gets its own short-lived pool,
+one-rank failure ending the whole group with an error: at once in ``shard`` (the failing rank
+still takes part in the ``verify_layout`` check, so its peers raise a :class:`CPLayoutError`
+naming it) and within the bound in ``gather_token_tensor``. Each failing scenario gets its own short-lived pool,
 since a timed-out group is not reusable.
 
 The last test keeps every multi-rank test of the repository bounded: a subgroup created with
@@ -84,14 +84,14 @@ def _run_failing(fn: Any) -> tuple[str, float]:
 
 
 @pytest.mark.multirank
-def test_failure_before_verify_ends_the_group_within_the_bound() -> None:
+def test_failure_while_sharding_is_told_to_every_rank_at_once() -> None:
     text, seconds = _run_failing(case_fail_before_verify)
     assert "2 rank(s) failed" in text  # every rank ended, with an error
     assert "--- rank 1 ---" in text and "CPBatchError" in text and "integer tensor" in text
     assert "--- rank 0 ---" in text and "CPLayoutError" in text
-    assert "another rank most likely failed before this step's check" in text
-    # rank 0 waited for the bound, not for ever (and not for the run timeout either)
-    assert BOUND_S * 0.8 <= seconds < BOUND_S + SLACK_S, seconds
+    # The failing rank still takes part in the check, so its peer names it at once.
+    assert "CP ranks [1] failed while sharding this step's batch" in text
+    assert seconds < BOUND_S, seconds
 
 
 @pytest.mark.multirank

@@ -80,7 +80,8 @@ def case_diverge(rank: int, world: int, backend: str, size: int, bad_ranks: list
     group = cp_subgroup(size)
     cp_rank = dist.get_rank(group)
     batch = altered(kind) if cp_rank in bad_ranks else make_batch()
-    s = build_sharder({"backend": backend, "size": size, "verify_layout": True}, group)
+    # The default config: the check is on unless cp.verify_layout=false.
+    s = build_sharder({"backend": backend, "size": size}, group)
     try:
         s.shard(batch)
     except CPLayoutError as exc:
@@ -184,3 +185,42 @@ def test_fingerprint_is_exact_for_floats_and_order_sensitive() -> None:
     assert tensor_fingerprint(x) == tensor_fingerprint(x.clone())
     assert tensor_fingerprint(x) != tensor_fingerprint(x.flip(0))
     assert tensor_fingerprint(x.to(torch.bfloat16)) != tensor_fingerprint(y.to(torch.float64))
+
+
+def test_verify_layout_is_on_by_default_and_can_be_turned_off() -> None:
+    for backend in loadable_backends():
+        assert build_sharder({"backend": backend, "size": 1}, None).verify_layout, backend
+        off = build_sharder({"backend": backend, "size": 1, "verify_layout": False}, None)
+        assert not off.verify_layout, backend
+
+
+class _Opaque:
+    """An object whose repr holds its address (different on every rank)."""
+
+
+def _fingerprint_in_subprocess(seed: str) -> str:
+    import subprocess
+    import sys
+
+    code = ("from cp_core.verify import batch_fingerprint;"
+            "print(batch_fingerprint({'tags': {'alpha', 'beta', 'gamma', 'delta'}}))")
+    env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_fingerprint_is_exact_and_stable_for_non_tensor_values() -> None:
+    import numpy as np
+
+    from cp_core.verify import batch_fingerprint
+
+    # A set of strings iterates in a per-process order: the fingerprint must not depend on it.
+    assert _fingerprint_in_subprocess("1") == _fingerprint_in_subprocess("2")
+    # Identical batches holding objects with an address in their repr agree.
+    assert batch_fingerprint({"meta": _Opaque()}) == batch_fingerprint({"meta": _Opaque()})
+    # Numpy arrays are compared by content, not by their (truncated) repr.
+    a = np.arange(5000)
+    b = a.copy()
+    b[2500] += 1
+    assert batch_fingerprint({"x": a}) != batch_fingerprint({"x": b})
+    assert batch_fingerprint({"x": a}) == batch_fingerprint({"x": a.copy()})

@@ -41,9 +41,10 @@ class CPBackendConfig(BaseModel):
     """Kernel block size each rank's shard must be a multiple of (16 for FP8, 128 for block masks)."""
     sequence_parallel: bool = False
     """Tensor-parallel sequence parallelism splits each shard again: pad to the TP size too."""
-    verify_layout: bool = False
-    """Check with one small collective per step that every CP rank was fed the same batch and
-    computed the same layout."""
+    verify_layout: bool = True
+    """Check with one small collective per step (an all-gather of 11 int64 per rank) that every
+    CP rank was fed the same batch and computed the same layout, and tell every rank when one
+    failed while sharding; ``false`` turns it off."""
     attn_block_budget_mb: float = Field(64.0, gt=0)
     """Largest local score matrix (MiB, fp32) the transport builds at once before switching to
     blocked online-softmax attention."""

@@ -21,7 +21,7 @@ import torch
 from cp_core.batch import pad_seq_dim
 from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
 from cp_core.layout import ShardLayout, all_rank_indices
-from cp_core.mesh import cp_size
+from cp_core.mesh import SimulatedCPMesh, cp_size
 from cp_core.positions import row_positions_to_stream, rows_to_stream, stream_to_rows
 from cp_core.resolution import (
     Meshes,
@@ -124,11 +124,21 @@ class ContextParallelSharder:
         """
         if loss_mask is None:
             loss_mask = self.loss_mask
-        ctx_factory, out, layout = self.shard_batch(
-            self.cp_mesh, self.tp_mesh, batch, loss_mask=loss_mask,
-            padding_token_id=self.padding_token_id,
-        )
-        if self.verify_layout and cp_size(self.cp_mesh) > 1:
+        # A simulated mesh plans without communicating: nothing to compare it with.
+        verify = (self.verify_layout and cp_size(self.cp_mesh) > 1
+                  and not isinstance(self.cp_mesh, SimulatedCPMesh))
+        try:
+            ctx_factory, out, layout = self.shard_batch(
+                self.cp_mesh, self.tp_mesh, batch, loss_mask=loss_mask,
+                padding_token_id=self.padding_token_id,
+            )
+        except Exception:
+            if verify:  # peers learn of the failure now, not after the group timeout
+                from cp_core.verify import verify_layout_agreement
+
+                verify_layout_agreement(self.cp_mesh, batch, None, failed=True)
+            raise
+        if verify:
             from cp_core.verify import verify_layout_agreement
 
             verify_layout_agreement(self.cp_mesh, batch, layout)

@@ -9,8 +9,9 @@ Each rank folds what it knows into a short int64 vector:
 * a fingerprint of the caller's batch: per key, its name, dtype, shape and two position-weighted
   sums over the raw bits of its values (integer arithmetic, so the result is exact and
   independent of reduction order: identical inputs give identical fingerprints on every rank);
-  non-tensor values (``seq_lens`` lists, flags) are hashed from their ``repr`` with blake2b
-  (Python's ``hash`` is salted per process, so it cannot be compared across ranks);
+  numpy arrays by a blake2b digest of their bytes; plain values (``seq_lens`` lists, flags,
+  strings, sets in sorted order) by a canonical text hashed with blake2b (Python's ``hash`` is
+  salted per process); other objects by their type only (a ``repr`` may hold an address);
 * a fingerprint of the layout every rank should agree on (``rank_global_indices``, padded and
   original length, pad multiple, the caller's row shape and position map);
 * this rank's own facts: its rank, whether its local indices equal its row of
@@ -39,7 +40,7 @@ from cp_core.layout import ShardLayout
 from cp_core.mesh import cp_group, cp_rank, cp_size
 
 #: Bumped when the vector's meaning changes, so mixed library versions are told apart.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 #: Elements flattened into one reduction; bounds the temporary int64 copy to 8 MiB.
 _CHUNK = 1 << 20
 #: Odd multiplier of the position weights (Knuth's multiplicative hash constant).
@@ -47,8 +48,9 @@ _WEIGHT_MULT = 2654435761
 _MASK63 = (1 << 63) - 1
 
 # Slots of the exchanged vector.
-_VERSION, _RANK, _BATCH0, _BATCH1, _LAYOUT0, _LAYOUT1, _OWN_ROW, _COUNT, _SUM, _SUMSQ = range(10)
-VECTOR_LEN = 10
+(_VERSION, _RANK, _BATCH0, _BATCH1, _LAYOUT0, _LAYOUT1, _OWN_ROW, _COUNT, _SUM, _SUMSQ,
+ _FAILED) = range(11)
+VECTOR_LEN = 11
 
 
 def _stable_int(text: str) -> int:
@@ -87,16 +89,33 @@ def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:
     return int(plain), int(weighted)
 
 
+#: Values whose ``repr`` is exact and the same in every process.
+_PLAIN = (str, bytes, int, float, complex, bool, type(None))
+
+
 def _describe_value(value: Any) -> str:
-    """A deterministic text for a (possibly nested) batch value; tensors by fingerprint."""
+    """A deterministic, exact text for a (possibly nested) batch value.
+
+    Tensors and numpy arrays by their whole content (``repr`` would truncate large ones),
+    mappings, sequences and sets in a canonical order, plain scalars by ``repr``. Any other
+    object is described by its type only: its ``repr`` may hold a memory address (different on
+    every rank for identical batches), so its content is not compared.
+    """
     if isinstance(value, torch.Tensor):
         p, w = tensor_fingerprint(value)
         return f"T({value.dtype},{tuple(value.shape)},{p},{w})"
+    if type(value).__module__ == "numpy" and hasattr(value, "tobytes") and hasattr(value, "dtype"):
+        digest = hashlib.blake2b(value.tobytes(), digest_size=16).hexdigest()
+        return f"N({value.dtype},{getattr(value, 'shape', ())},{digest})"
     if isinstance(value, Mapping):
         return "{" + ",".join(f"{k!r}:{_describe_value(value[k])}" for k in sorted(value, key=str)) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_describe_value(v) for v in value) + "]"
-    return repr(value)
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(_describe_value(v) for v in value)) + "}"
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def batch_fingerprint(batch: Mapping[str, Any]) -> tuple[int, int]:
@@ -119,12 +138,18 @@ def layout_fingerprint(layout: ShardLayout) -> tuple[int, int]:
     return _stable_int("layout/a/" + text), _stable_int("layout/b/" + text)
 
 
-def local_vector(rank: int, batch: Mapping[str, Any], layout: ShardLayout) -> torch.Tensor:
-    """This rank's ``[VECTOR_LEN]`` int64 summary (see the module docstring)."""
+def local_vector(rank: int, batch: Mapping[str, Any], layout: ShardLayout,
+                 failed: bool = False) -> torch.Tensor:
+    """This rank's ``[VECTOR_LEN]`` int64 summary (see the module docstring); ``failed``
+    marks a rank whose ``shard_batch`` raised (it has no layout to compare)."""
     vec = torch.zeros(VECTOR_LEN, dtype=torch.int64)
     vec[_VERSION] = _FORMAT_VERSION
     vec[_RANK] = rank
-    vec[_BATCH0], vec[_BATCH1] = batch_fingerprint(batch)
+    vec[_FAILED] = int(failed)
+    try:
+        vec[_BATCH0], vec[_BATCH1] = batch_fingerprint(batch)
+    except (TypeError, ValueError):  # not a mapping: the sharder's own error says so
+        vec[_BATCH0], vec[_BATCH1] = -1, -1
     vec[_LAYOUT0], vec[_LAYOUT1] = layout_fingerprint(layout)
     local = layout.local_token_global_indices
     ranks = layout.rank_global_indices
@@ -165,6 +190,15 @@ def check_vectors(vectors: torch.Tensor, padded_seq_len: int | None) -> None:
             "each rank shards with is not the group the check runs over"
         )
     agree, differ = _groups_text([(row[_BATCH0], row[_BATCH1]) for row in v])
+    failed = [r for r in range(size) if v[r][_FAILED]]
+    if failed:
+        fed = (f"; ranks {differ} were also fed a different batch than rank 0, the likely cause"
+               if differ else "")
+        raise CPLayoutError(
+            f"CP ranks {failed} failed while sharding this step's batch (their own error says "
+            f"why){fed}; ranks {[r for r in range(size) if r not in failed]} stop here too "
+            "instead of waiting for them"
+        )
     if differ:
         raise CPLayoutError(
             f"CP ranks were fed different batches: ranks {differ} were fed a different batch than "
@@ -199,8 +233,8 @@ def check_vectors(vectors: torch.Tensor, padded_seq_len: int | None) -> None:
             )
 
 
-def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: ShardLayout | None
-                            ) -> None:
+def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: ShardLayout | None,
+                            *, failed: bool = False) -> None:
     """Check with one all-gather that every CP rank saw the same batch and layout.
 
     Args:
@@ -208,6 +242,9 @@ def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: Shar
             size > 1 cannot communicate and raises :class:`CPLayoutError`).
         batch: the caller's full batch, as passed to ``shard`` (not modified).
         layout: the layout this rank computed (None: only the batch is compared).
+        failed: this rank's ``shard_batch`` raised: it still takes part in the exchange (so
+            its peers raise at once, naming it, instead of waiting for the group timeout) and
+            returns without checking, for the caller to re-raise its own error.
 
     Raises:
         CPLayoutError: on every rank, when ranks were fed different batches, computed
@@ -220,7 +257,7 @@ def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: Shar
     group = cp_group(cp_mesh)
     rank = cp_rank(cp_mesh)
     layout = layout if layout is not None else ShardLayout()
-    vec = local_vector(rank, batch, layout)
+    vec = local_vector(rank, batch, layout, failed)
     if dist.get_backend(group) == "nccl":  # NCCL moves device tensors only
         vec = vec.to(torch.device("cuda", torch.cuda.current_device()))
     try:
@@ -231,7 +268,8 @@ def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: Shar
             f"its CP peers ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             "another rank most likely failed before this step's check"
         ) from exc
-    check_vectors(torch.stack([g.cpu() for g in gathered]), layout.padded_seq_len)
+    if not failed:
+        check_vectors(torch.stack([g.cpu() for g in gathered]), layout.padded_seq_len)
 
 
 __all__ = [
