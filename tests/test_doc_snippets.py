@@ -117,3 +117,18 @@ def test_every_block_is_run_or_says_why_not() -> None:
         for block in blocks(doc):
             runnable = block.lang in ("bash", "python", "text", "") or block.marker is not None
             assert runnable, f"{doc.name}:{block.line}: a {block.lang} block needs a marker"
+
+
+def test_readme_table_is_the_real_output(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README shows the report of its first cp-plan example (minus the picture) verbatim.
+    command = next(line for b in blocks(REPO / "README.md") if b.lang == "bash"
+                   for line in b.text.splitlines()
+                   if line.startswith("cp-plan ") and "--plot" in line)
+    shown = next(b.text for b in blocks(REPO / "README.md")
+                 if b.lang == "text" and b.text.startswith("cp-plan: backend="))
+    args = shlex.split(command.split("--plot")[0])[1:]
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert plan_cli.main(args) == 0
+    assert capsys.readouterr().out == shown

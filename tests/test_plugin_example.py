@@ -70,7 +70,7 @@ def test_selected_by_name_outside_the_repository(plugin_env: Any, tmp_path: Path
 
 def test_its_hydra_node_and_overrides_inside_the_repository(plugin_env: Any,
                                                             tmp_path: Path) -> None:
-    # Inside the repository the repo's configs are used; the plugin's node is added to the
+    # Inside the repository too (the configs ship in cp-core); the plugin's node is added to the
     # `cp` group at start-up (size 2 from its hydra_defaults), and its own key overrides.
     out = plugin_env.run("cp-plan", "cp=striped", "cp.stripe=2", "plan.docs=[5,3]",
                          f"hydra.run.dir={tmp_path / 'run'}", cwd=REPO).stdout

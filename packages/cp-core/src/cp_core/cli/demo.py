@@ -126,9 +126,31 @@ def _task(cfg: Any) -> None:
     out.write_text(json.dumps({k: v for k, v in summary.items() if k != "report"}, indent=2))
 
 
-def _bar(done: int, total: int, width: int = 24) -> str:
-    filled = round(width * done / max(total, 1))
-    return "[" + "#" * filled + "-" * (width - filled) + f"] {done}/{total}"
+class _Progress:
+    """Rank 0's progress: a tqdm bar on stderr when tqdm is installed and stderr is a
+    terminal; the per-step lines go to stdout either way (they are the demo's result)."""
+
+    def __init__(self, total: int) -> None:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is optional: the lines alone still tell the story
+            self._bar: Any = None
+        else:
+            self._bar = tqdm(total=total, desc="cp-demo", unit="step", file=sys.stderr,
+                             disable=None, leave=False)
+
+    def step(self, line: str) -> None:
+        """Print one step's line (above the bar) and advance the bar."""
+        if self._bar is None:
+            print(line, flush=True)
+            return
+        self._bar.write(line, file=sys.stdout)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        """Remove the bar."""
+        if self._bar is not None:
+            self._bar.close()
 
 
 @dataclass
@@ -197,6 +219,7 @@ def run_rank(cp: Mapping[str, Any], demo: Mapping[str, Any]) -> dict[str, Any] |
               f"{demo['seq_len']} packed tokens", flush=True)
     steps, step_ms, worst = int(demo["steps"]), [], 0.0
     losses: list[dict[str, float]] = []
+    progress = _Progress(steps) if rank == 0 else None
     tokens = pads = 0
     work: int | None = None
     forward_plan: list[Any] = []
@@ -227,16 +250,17 @@ def run_rank(cp: Mapping[str, Any], demo: Mapping[str, Any]) -> dict[str, Any] |
         step_ms.append((time.perf_counter() - t0) * 1e3)
         tokens, pads, work = _local_stats(sharder, forward_plan[1], forward_plan[0])
         if rank == 0:
-            assert ref_model is not None and ref_opt is not None
+            assert ref_model is not None and ref_opt is not None and progress is not None
             ref = training_step(ref_model, identity_sharder(), batch)
             ref_opt.step()
             diff = result.loss - ref.loss
             worst = max(worst, relative_error(result.loss, ref.loss))
             losses.append({"cp": float(result.loss), "cp1": float(ref.loss)})
-            print(f"{_bar(step + 1, steps)}  step {step + 1:>2}  cp loss {result.loss:.6f}  "
-                  f"cp=1 loss {ref.loss:.6f}  diff {diff:+.2e}  ({step_ms[-1]:.0f} ms)",
-                  flush=True)
+            progress.step(f"step {step + 1:>2}/{steps}  cp loss {result.loss:.6f}  "
+                          f"cp=1 loss {ref.loss:.6f}  diff {diff:+.2e}  ({step_ms[-1]:.0f} ms)")
         dist.barrier()
+    if progress is not None:
+        progress.close()
     mean_ms = sum(step_ms[1:] or step_ms) / len(step_ms[1:] or step_ms)
     mine = RankStats(rank, tokens, pads, work, mean_ms)
     everyone: list[Any] = [None] * world

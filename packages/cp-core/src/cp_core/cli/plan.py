@@ -127,11 +127,24 @@ def _shape(batch: Mapping[str, Any]) -> list[int]:
     return list(primary.shape[:2]) if isinstance(primary, torch.Tensor) else []
 
 
+def _stream_line(plan: LayoutPlan) -> str:
+    """Slots of the whole batch (what the rank rows add up to) and the two kinds of pad:
+    slots without a document (the batch's own padding) and the layout's padding per row."""
+    slots = sum(r.tokens for r in plan.ranks)
+    empty = sum(r.pad_tokens for r in plan.ranks)
+    padded = plan.padded_seq_len or plan.original_seq_len
+    rows = max(1, slots // max(1, padded))  # 1 for layouts that flatten the rows into one stream
+    size = f"{rows} rows x {padded:,}" if rows > 1 else f"one stream of {padded:,}"
+    return (f"stream: {size} = {slots:,} token slots, {empty:,} of them pad (no document "
+            f"token: the batch's own padding and the layout's); the layout pads "
+            f"{'each row' if rows > 1 else 'it'} {plan.original_seq_len:,} -> {padded:,}")
+
+
 def format_plan(plan: LayoutPlan, description: str, shape: Sequence[int]) -> str:
     """The per-rank table and the balance line."""
     lines = [f"cp-plan: backend={plan.backend} cp.size={plan.cp_size} batch={list(shape)} "
              f"from {description}",
-             f"stream: {plan.original_seq_len} tokens, padded to {plan.padded_seq_len}",
+             _stream_line(plan),
              f"{'rank':>4}  {'tokens':>9}  {'pad':>7}  {'attention work':>16}  {'share':>7}"]
     for r in plan.ranks:
         share = plan.work_share(r.rank)
