@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -253,3 +254,29 @@ def test_every_backend_conserves_the_total_work(backend: str) -> None:
     assert len(plan.ranks) == size and len({r.tokens for r in plan.ranks}) == 1
     real = sum(r.tokens - r.pad_tokens for r in plan.ranks)
     assert real == sum(map(sum, docs))
+
+
+def test_picture_helpers_mix_fine_ownership_mark_pads_and_skip_pad_ticks() -> None:
+    from cp_core.cli.plot import document_starts, ownership_image, pad_runs
+    from cp_core.planning import LayoutPlan, RankPlan
+
+    # Token i on rank i mod 4 over 8000 slots, drawn in 100 columns: every column is a quarter
+    # of each rank's colour (an interleaved layout is not aliasing noise).
+    seq, cp = 8000, 4
+    ids = torch.ones(1, seq, dtype=torch.long)
+    ids[0, 4000:] = 2
+    ids[0, -3:] = 0  # three pad slots at the end
+    plan = LayoutPlan(backend="x", cp_size=cp, ranks=tuple(RankPlan(r, seq // cp, 0, None)
+                                                           for r in range(cp)),
+                      owner=torch.arange(seq) % cp, doc_ids=ids, original_seq_len=seq,
+                      padded_seq_len=seq)
+    colours = np.asarray([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [0.5, 0.5, 0]])
+    image = ownership_image(plan, colours, bins=100, cells=16)
+    assert image.shape == (16, 100, 3)
+    for c in range(cp):
+        assert (np.abs(image[:, 0] - colours[c]).sum(axis=1) < 1e-9).sum() == 4
+    # At one slot per column the picture is the exact ownership.
+    exact = ownership_image(plan, colours, bins=seq, cells=1)
+    assert np.allclose(exact[0, 5], colours[1]) and not np.allclose(exact[0, -1], colours[3])
+    assert document_starts(ids[0].numpy()).tolist() == [4000]  # not where the pad begins
+    assert pad_runs(ids[0].numpy()) == [(seq - 3, seq)]

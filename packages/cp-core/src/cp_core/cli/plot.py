@@ -1,7 +1,9 @@
 """The picture of a layout: token ownership along the sequence above per-rank work bars.
 
 Top panel: one strip per stream row, each global position coloured by the rank that owns it
-(pad slots in a paler shade), document boundaries drawn as black ticks. Bottom panel: the
+(pad slots in a paler shade over a dark band that stays visible however short the run),
+document starts drawn as black ticks. When the stream has more slots than the strip has
+pixels, each column shows its slots' owners in proportion (no aliasing). Bottom panel: the
 attention work of every rank (token slots when the work is unknown) with the mean as a dashed
 line. matplotlib runs on the Agg backend, so no display is needed.
 """
@@ -28,19 +30,60 @@ def rank_colours(n: int) -> np.ndarray:
     return np.asarray([cmap(i / max(1, n - 1))[:3] for i in range(n)])
 
 
-def _ownership_rgb(plan: LayoutPlan, colours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(rgb [R, S, 3], doc_ids [R, S])`` of the drawn rows (pad slots paled towards white)."""
-    owner = plan.owner.numpy()
+#: Vertical cells per drawn row when ownership is binned (the resolution of the shares).
+CELLS_PER_ROW = 16
+#: A pad run is marked at least this wide (fraction of the stream) so that a few pad slots
+#: in a long stream stay visible.
+MIN_PAD_MARK = 0.006
+
+
+def _drawn_ids(plan: LayoutPlan) -> np.ndarray:
+    """``[R, S]`` document ids of the drawn rows (0 = pad; all 1 when the plan has none)."""
+    seq = plan.owner.shape[0]
     if plan.doc_ids is not None:
-        ids = plan.doc_ids.numpy()[:MAX_ROWS_DRAWN, : owner.shape[0]]
-    else:
-        ids = np.ones((1, owner.shape[0]), dtype=np.int64)
-    rgb = np.ones((ids.shape[0], owner.shape[0], 3))
-    owned = owner >= 0
-    rgb[:, owned] = colours[owner[owned]]
-    pad = ids == 0
-    rgb[pad] = 0.35 * rgb[pad] + 0.65  # pale: still shows the owner, clearly not a token
-    return rgb, ids
+        return plan.doc_ids.numpy()[:MAX_ROWS_DRAWN, :seq]
+    return np.ones((1, seq), dtype=np.int64)
+
+
+def ownership_image(plan: LayoutPlan, colours: np.ndarray, bins: int,
+                    cells: int = CELLS_PER_ROW) -> np.ndarray:
+    """``[R * cells, B, 3]`` RGB picture of the drawn rows at ``B = min(bins, S)`` columns.
+
+    Each column is a bin of consecutive stream slots; its ``cells`` vertical cells are shared
+    among the (rank, pad or not) classes of the bin's slots in proportion to their counts, so
+    a layout that deals tokens finer than a pixel (striped, interleaved) shows as evenly mixed
+    colours instead of aliasing noise. At one slot per column this is the exact ownership.
+    """
+    owner = plan.owner.numpy()
+    ids = _drawn_ids(plan)
+    rows, seq = ids.shape
+    n = len(colours)
+    bins = max(1, min(bins, seq))
+    palette = np.concatenate([colours, 0.35 * colours + 0.65, np.ones((1, 3))])  # real, pad, none
+    column = (np.arange(seq) * bins) // seq
+    image = np.ones((rows, cells, bins, 3))
+    for r in range(rows):
+        cls = np.where(owner < 0, 2 * n, owner + n * (ids[r] == 0))
+        counts = np.zeros((bins, 2 * n + 1))
+        np.add.at(counts, (column, cls), 1)
+        share = np.cumsum(counts / counts.sum(axis=1, keepdims=True), axis=1)
+        centre = (np.arange(cells) + 0.5) / cells
+        pick = (share[:, None, :] < centre[None, :, None]).sum(axis=2)  # [bins, cells]
+        image[r] = palette[np.minimum(pick, 2 * n)].transpose(1, 0, 2)
+    return image.reshape(rows * cells, bins, 3)
+
+
+def document_starts(ids_row: np.ndarray) -> np.ndarray:
+    """Positions where a document starts after another one (not where padding starts)."""
+    changes = np.flatnonzero(np.diff(ids_row) != 0) + 1
+    return changes[ids_row[changes] != 0]
+
+
+def pad_runs(ids_row: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of every run of pad slots (document id 0)."""
+    pad = np.concatenate([[False], ids_row == 0, [False]])
+    edges = np.flatnonzero(np.diff(pad.astype(np.int8)))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def draw_layout(plan: LayoutPlan, path: str | Path, *, title: str | None = None,
@@ -52,21 +95,30 @@ def draw_layout(plan: LayoutPlan, path: str | Path, *, title: str | None = None,
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    from matplotlib.patches import Rectangle
+
     colours = rank_colours(plan.cp_size)
-    rgb, ids = _ownership_rgb(plan, colours)
+    ids = _drawn_ids(plan)
     rows, seq = ids.shape
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(width_in, 2.4 + 0.35 * rows + 2.6), dpi=dpi,
         gridspec_kw={"height_ratios": [1.0 + 0.25 * rows, 2.0]},
     )
-    top.imshow(rgb, aspect="auto", interpolation="nearest", extent=(0, seq, rows, 0))
+    columns = int(0.8 * width_in * dpi)  # about the pixels the strip gets
+    top.imshow(ownership_image(plan, colours, columns), aspect="auto", interpolation="nearest",
+               extent=(0, seq, rows, 0))
     for r in range(rows):
-        starts = np.flatnonzero(np.diff(ids[r]) != 0) + 1
+        starts = document_starts(ids[r])
         if starts.size:
             top.vlines(starts, r, r + 1, colors="black", linewidth=0.8)
+        for a, b in pad_runs(ids[r]):  # a dark band under each pad run, visible however short
+            top.add_patch(Rectangle((a, r + 0.82), max(b - a, MIN_PAD_MARK * seq), 0.18,
+                                    color="0.25", linewidth=0))
     top.set_xlim(0, seq)
     top.set_yticks(np.arange(rows) + 0.5, [f"row {r}" for r in range(rows)])
-    top.set_xlabel("global stream position (colour = owning rank, pale = pad, | = document start)")
+    mixed = " (a column mixes several slots: colours in proportion)" if seq > columns else ""
+    top.set_xlabel("global stream position: colour = owning rank, pale with a dark band = pad, "
+                   f"| = document start{mixed}")
     left_out = 0 if plan.doc_ids is None else plan.doc_ids.shape[0] - rows
     if left_out > 0:
         top.set_title(f"token ownership ({left_out} more rows not drawn)", fontsize=10)
@@ -101,4 +153,5 @@ def draw_layout(plan: LayoutPlan, path: str | Path, *, title: str | None = None,
     return int(width), int(height)
 
 
-__all__ = ["draw_layout", "rank_colours", "MAX_ROWS_DRAWN"]
+__all__ = ["draw_layout", "rank_colours", "ownership_image", "document_starts", "pad_runs",
+           "MAX_ROWS_DRAWN"]
