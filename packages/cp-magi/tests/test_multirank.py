@@ -122,7 +122,7 @@ def _rank_solve(rank: int, world: int) -> list[list[int]]:
 
     rng = np.random.default_rng(7)
     out = []
-    for n, cp in [(8, 2), (24, 4), (64, 8), (128, 16), (1024, 16)]:
+    for n, cp in [(8, 2), (24, 4), (64, 8), (128, 16), (1024, 16), (16384, 8)]:
         w = rng.integers(0, 10**6, n)
         w[rng.integers(0, n, n // 4)] = w[0]  # many ties
         for method in ("best", "greedy"):

@@ -114,3 +114,18 @@ def test_bad_inputs() -> None:
         solve([1, 2], 0)
     with pytest.raises(CPConfigError, match="unknown solver"):
         solve([1, 2], 2, "magic")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cp", [8, 16])
+def test_16k_chunks_reach_the_bound_deterministically(cp: int) -> None:
+    # Heavy-tailed workloads with many zero chunks: the snake over rows leaves the extreme
+    # ranks off by up to 3 %, which only swaps across rows repair.
+    rng = np.random.default_rng(cp)
+    w = (rng.lognormal(0, 1.5, 16384) * 1e4).astype(np.int64)
+    w[rng.integers(0, w.size, w.size // 4)] = 0
+    a, b = solve(w, cp), solve(w.copy(), cp)
+    assert np.array_equal(a.chunk_rank, b.chunk_rank)
+    assert (np.bincount(a.chunk_rank, minlength=cp) == 16384 // cp).all()
+    # Within the solver's tolerance of the bound (the greedy baseline may land closer here:
+    # at 16K chunks its min-heap is near exact, and ten times slower).
+    assert a.max_load <= a.lower_bound * (1 + 1e-5)

@@ -199,6 +199,14 @@ def _best_cross_swap(wgrid: np.ndarray, row_class: np.ndarray, loads: np.ndarray
     return None if best is None else (np.asarray([best[1]]), np.asarray([best[2]]), best[3])
 
 
+def _weak(wgrid: np.ndarray, loads: np.ndarray, a: int, move: tuple[int, int]) -> bool:
+    """True when a row swap lowers ``a``'s load by less than a quarter of its gap to the
+    partner (a good swap closes about half of it)."""
+    row, b = move
+    d = wgrid[row, a] - wgrid[row, b]
+    return bool(4 * min(d, loads[a] - loads[b] - d) < loads[a] - loads[b])
+
+
 def exchange(w: np.ndarray, grid: np.ndarray, loads: np.ndarray, row_class: np.ndarray,
              target: float, max_iters: int, deep: bool = True
              ) -> tuple[np.ndarray, np.ndarray]:
@@ -226,9 +234,22 @@ def exchange(w: np.ndarray, grid: np.ndarray, loads: np.ndarray, row_class: np.n
         cross = None
         if move is None and not deep:
             break
-        if move is None:
+        if deep and (move is None or _weak(wgrid, loads, a, move)):
+            # No row swap, or only one that closes little of the gap (the rank is forced
+            # high by its row slots, e.g. one huge chunk plus one chunk of every large row):
+            # swaps across rows of a class can move chunks of any size.
             light = np.lexsort((all_ranks, loads))[:PAIR_PARTNERS + 1]
             cross = _best_cross_swap(wgrid, row_class, loads, a, light[light != a])
+            if cross is not None and move is not None:
+                row, b = move
+                la, lb = loads[a], loads[b]
+                d_row = wgrid[row, a] - wgrid[row, b]
+                d_cross = wgrid[cross[0][0], a] - wgrid[cross[1][0], cross[2]]
+                lc = loads[cross[2]]
+                if max(la - d_cross, lc + d_cross) < max(la - d_row, lb + d_row):
+                    move = None  # the cross swap is better
+                else:
+                    cross = None
         if move is not None:
             rows = np.asarray([move[0]])
             b = move[1]
