@@ -67,6 +67,21 @@ class _SDPAIntercept(TorchFunctionMode):
             _state.serving = False
 
 
+def serve_call(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Serve one SDPA-style call with ``plan`` outside the interception (an attention
+    interface calling the runtime directly), preparing the plan's transport first."""
+    from cp_core.attention.transport import call_transport, select_transport
+    from cp_core.attention.transports import prepare_transport
+
+    prepare_transport(select_transport(plan), plan)
+    was = getattr(_state, "serving", False)
+    _state.serving = True
+    try:
+        return call_transport(plan, args, kwargs)
+    finally:
+        _state.serving = was
+
+
 @contextlib.contextmanager
 def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     """Inside the block, SDPA calls on this thread are served by ``plan``'s transport.
@@ -90,4 +105,4 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
         del stack[depth:]
 
 
-__all__ = ["activate_plan", "active_plan"]
+__all__ = ["activate_plan", "active_plan", "serve_call"]

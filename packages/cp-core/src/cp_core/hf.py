@@ -1,0 +1,92 @@
+"""Hugging Face models under CP through ``attn_implementation="cp"``.
+
+Importing this module registers ``"cp"`` in transformers' ``AttentionInterface`` and its
+``AttentionMaskInterface``. A model built with ``attn_implementation="cp"`` then runs under any
+backend's context:
+
+* each attention call takes that layer's sliding window, scaling, GQA and dropout from what
+  Hugging Face passes, and documents and padding from the sharder's plan: the caller passes no
+  ``attention_mask`` and tells the sharder nothing about windows, so models whose layers mix
+  sliding and full attention (Gemma 3) are exact;
+* inside a sharder context no mask is built at all (the plan is the mask); outside one, the
+  mask and the attention are exactly those of ``attn_implementation="sdpa"``;
+* what the runtime cannot serve (logit soft-capping, attention sinks, dropout during
+  training) is refused with :class:`~cp_core.errors.CPAttentionError` naming the setting.
+
+transformers stays optional (extra ``cp-core[hf]``); nothing else in cp_core imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cp_core.attention.intercept import active_plan, serve_call
+from cp_core.attention.kinds import call_kind, plan_for_kind
+from cp_core.errors import CPAttentionError
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as exc:  # pragma: no cover - exercised without transformers
+    raise ImportError(
+        "cp_core.hf needs transformers; install it with: pip install 'cp-core[hf]'"
+    ) from exc
+
+NAME = "cp"
+
+
+def _refuse(module: Any, kwargs: dict[str, Any], dropout: float) -> None:
+    layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if kwargs.get("softcap") is not None:
+        raise CPAttentionError(
+            f"{layer} uses attention logit soft-capping (softcap={kwargs['softcap']}), which "
+            "the CP runtime does not serve; set the config's attn_logit_softcapping to None")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise CPAttentionError(f"{layer} uses attention sinks, which the CP runtime does not "
+                               "serve")
+    if dropout and getattr(module, "training", False):
+        raise CPAttentionError(
+            f"{layer} has attention dropout {dropout} in training; set the config's "
+            "attention_dropout to 0 (the CP runtime computes exact attention)")
+
+
+def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, attention_mask: torch.Tensor | None,
+                         dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs: Any
+                         ) -> tuple[torch.Tensor, None]:
+    """The ``"cp"`` attention function: ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out."""
+    plan = active_plan()
+    if plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                      **kwargs)
+    _refuse(module, kwargs, dropout)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    kind, window, chunk = call_kind(plan, causal, kwargs.get("sliding_window"))
+    layer_plan = plan_for_kind(plan, kind, window, chunk)
+    out = serve_call(layer_plan, (query, key, value), {
+        "is_causal": kind != "bidirectional", "scale": scaling,
+        "enable_gqa": query.shape[1] != key.shape[1]})
+    return out.transpose(1, 2).contiguous(), None
+
+
+def cp_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No mask inside a sharder context (the plan is the mask); sdpa's mask outside one."""
+    if active_plan() is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register ``"cp"`` with transformers (done on import; idempotent)."""
+    AttentionInterface.register(NAME, cp_attention_forward)
+    AttentionMaskInterface.register(NAME, cp_mask)
+
+
+register()
+
+__all__ = ["NAME", "cp_attention_forward", "cp_mask", "register"]
