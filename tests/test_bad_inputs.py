@@ -407,12 +407,14 @@ CASES: list[Case] = [
     Case("magi-solver-unknown", ("magi",), "`cp.solver=magic`", CPConfigError,
          "cp.solver: Input should be 'best' or 'greedy'", act=build_with(solver="magic")),
     # meshes
+    # identity holds CP size 1 only: its own model refuses size 4 before any mesh is read.
     Case("mesh-size-mismatch", ALL, "`cp.size=4` on a CP mesh of 2 ranks", CPConfigError,
          "cp.size=4 but the CP mesh has 2 rank(s)",
-         act=lambda b, batch: build_sharder({"backend": b, "size": 4}, SimulatedCPMesh(0, 2))),
+         act=lambda b, batch: build_sharder({"backend": b, "size": 4}, SimulatedCPMesh(0, 2)),
+         per_backend_excerpt={"identity": "cp.size: Input should be less than or equal to 1"}),
     Case("mesh-wrong-type", ALL, "a string as `cp_mesh`", CPConfigError,
          "cp_mesh must be a 1-D DeviceMesh, a ProcessGroup, None or a SimulatedCPMesh",
-         act=lambda b, batch: build_sharder({"backend": b, "size": 2}, "cp")),
+         act=lambda b, batch: build_sharder({"backend": b}, "cp")),
     # token verbs
     # identity shards any length before the first shard (a static map, nothing to pad)
     Case("shard-token-before-shard", tuple(b for b in ALL if b != "identity"),
