@@ -158,7 +158,7 @@ KINDS = [("causal", {}), ("sliding_window", {"window": 4}), ("chunked", {"chunk"
          ("bidirectional", {})]
 
 
-TRANSPORTS = ["allgather", "p2p"]
+TRANSPORTS = ["allgather", "p2p", "ulysses"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -177,6 +177,11 @@ def test_parity_with_truth(pool, backend, size, kind, extra, transport):
             # Forward: exactly one collective (K and V together); backward: one all-to-all
             # returning every rank's K/V gradient slices to their owner.
             assert calls == {"fwd_all_gather": 1, "bwd_all_to_all": 1,
+                             "fwd_bytes": calls["fwd_bytes"]}, calls
+        elif transport == "ulysses":
+            # q, k, v to head-sharded and the output back: four all-to-alls; their
+            # gradients the same way back.
+            assert calls == {"fwd_all_to_all": 4, "bwd_all_to_all": 4,
                              "fwd_bytes": calls["fwd_bytes"]}, calls
         else:
             # Point to point only, at most one send and one receive per peer per direction.
@@ -206,7 +211,7 @@ def test_regather_kv_matches_and_gathers_again_in_backward(pool, backend, size):
                                 "fwd_bytes": res["calls"]["fwd_bytes"]}, res["calls"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", ["allgather", "p2p"])
 @pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
 def test_blocked_gqa_and_explicit_causal_mask(pool, backend, transport):
     rows, seq = PACKED
@@ -239,3 +244,22 @@ def test_ranks_holding_only_padding(pool, backend, transport):
     for rank, res in enumerate(results):
         assert res["finite"], rank
         assert max(res["errors"].values()) <= 1e-5, (rank, res["errors"])
+
+
+def case_ulysses_refuses(rank: int, world: int, hq: int, hkv: int) -> str | None:
+    """The ulysses refusal for head counts that do not split over the ranks."""
+    from cp_core.errors import CPAttentionError
+
+    try:
+        case_parity(rank, world, "round_robin", 4, "causal", {}, [[7, 9]], 16, hq=hq, hkv=hkv,
+                    transport="ulysses")
+    except CPAttentionError as exc:
+        return str(exc)
+    return None
+
+
+def test_ulysses_refuses_heads_that_do_not_split(pool):
+    for msg in pool.run(case_ulysses_refuses, 6, 2):
+        assert msg is not None and "6 query heads do not divide by cp=4" in msg, msg
+    for msg in pool.run(case_ulysses_refuses, 12, 3):
+        assert msg is not None and "key/value heads (3)" in msg, msg

@@ -5,8 +5,9 @@ A transport serves one ``scaled_dot_product_attention`` call of a CP step:
 also have ``prepare(plan)``, called when the sharder's context is entered (before the
 forward), to build its host-side schedule so that nothing is planned inside the model.
 
-cp-core registers ``allgather`` (the reference: every rank's K/V, blocked kernel) and ``p2p``
-(the default: needed-only K/V peer by peer, fused kernels). Third-party packages add theirs
+cp-core registers ``allgather`` (the reference: every rank's K/V, blocked kernel), ``p2p``
+(the default: needed-only K/V peer by peer, fused kernels) and ``ulysses`` (all-to-all to
+head parallelism). Third-party packages add theirs
 under the same group; ``cp.transport=<name>`` selects one, and nothing branches on the name.
 """
 
@@ -27,6 +28,7 @@ DEFAULT_TRANSPORT = "p2p"
 _BUILTIN: dict[str, str] = {
     "allgather": "cp_core.attention.transport:allgather_sdpa",
     "p2p": "cp_core.attention.p2p_transport:p2p_sdpa",
+    "ulysses": "cp_core.attention.ulysses:ulysses_sdpa",
 }
 
 _lock = threading.Lock()

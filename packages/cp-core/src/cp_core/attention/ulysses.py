@@ -1,0 +1,135 @@
+"""The ``ulysses`` transport: all-to-all from sequence-sharded to head-sharded and back.
+
+DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): each rank sends every other rank
+that rank's share of the heads for its own tokens, so rank ``j`` then holds heads
+``[j*H/cp, (j+1)*H/cp)`` for the whole sequence, computes full-sequence attention with the
+step's document mask and the layer's window on those heads, and a second all-to-all returns
+each rank's tokens with every head. Per rank per layer it moves about
+``(S/cp) * 2 * (Hq + Hkv) * D`` elements, falling as 1/cp, where a ring moves about
+``2 * S * Hkv * D``; the attention work is balanced whatever the layout, since every rank
+computes the whole sequence on H/cp heads.
+
+The gathered sequence stays in rank order (rank 0's tokens, then rank 1's, ...): its global
+positions are the layout's ``rank_indices`` concatenated, so the fused-piece runtime serves it
+as one rank holding every token, and no reordering copy is made. It works under every
+backend's layout for the same reason.
+
+GQA: K/V heads split over the ranks when their count divides by cp; with fewer K/V heads than
+cp (cp a multiple of them) each K/V head is replicated so every rank gets the one its query
+heads use. Other head counts are refused with :class:`~cp_core.errors.CPAttentionError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from cp_core.attention.p2p import p2p_attention, schedule_for
+from cp_core.attention.plan import AttentionPlan
+from cp_core.attention.transport import check_local_shapes, resolve_causal
+from cp_core.errors import CPAttentionError
+
+
+def _seq_to_head(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    from cp_core.comm import all_to_all_same_shape
+
+    parts = list(x.split(x.shape[1] // size, dim=1))
+    return torch.cat(all_to_all_same_shape(parts, group), dim=2)
+
+
+def _head_to_seq(y: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    from cp_core.comm import all_to_all_same_shape
+
+    parts = list(y.split(y.shape[2] // size, dim=2))
+    return torch.cat(all_to_all_same_shape(parts, group), dim=1)
+
+
+class _SeqToHead(torch.autograd.Function):
+    """``[B, H, n, D]`` of local tokens -> ``[B, H/cp, cp*n, D]`` of this rank's heads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.size = group, size
+        return _seq_to_head(x, group, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        return _head_to_seq(grad.contiguous(), ctx.group, ctx.size), None, None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    """The inverse of :class:`_SeqToHead`."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: Any, size: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.size = group, size
+        return _head_to_seq(y, group, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        return _seq_to_head(grad.contiguous(), ctx.group, ctx.size), None, None
+
+
+def _kv_heads_for_ranks(hq: int, hkv: int, size: int) -> int:
+    """How many times each K/V head is repeated so the heads split evenly over the ranks."""
+    if hq % size:
+        raise CPAttentionError(
+            f"the ulysses transport splits attention heads over the CP ranks: {hq} query heads "
+            f"do not divide by cp={size}; use cp.transport=p2p or a CP size dividing {hq}")
+    if hkv % size == 0:
+        return 1
+    if size % hkv == 0:
+        return size // hkv
+    raise CPAttentionError(
+        f"the ulysses transport needs key/value heads ({hkv}) divisible by cp={size} or cp "
+        f"divisible by them; use cp.transport=p2p")
+
+
+def _global_plan(plan: AttentionPlan) -> AttentionPlan:
+    """The step's plan as one rank holding every token in rank order (cached)."""
+    got = plan.cache.get("ulysses")
+    if got is None:
+        order = plan.rank_indices.reshape(-1)
+        got = dataclasses.replace(plan, cp_rank=0, cp_size=1, q_index=order,
+                                  rank_indices=order[None], cache={})
+        plan.cache["ulysses"] = got
+    return got
+
+
+class UlyssesTransport:
+    """``transport(q, k, v, plan, **sdpa_kwargs)`` with a ``prepare(plan)`` hook."""
+
+    name = "ulysses"
+
+    def prepare(self, plan: AttentionPlan) -> None:
+        """Build the whole-sequence schedule now, before the forward."""
+        if schedule_for(_global_plan(plan)) is None:
+            raise CPAttentionError(
+                f"the ulysses transport needs a mask that describes itself as rectangles; "
+                f"{type(plan.mask).__name__} does not")
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                 *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False) -> torch.Tensor:
+        """``scaled_dot_product_attention`` over the CP layout: ``[B, Hq, n_local, Dv]``."""
+        resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
+        check_local_shapes(q, k, v, plan, enable_gqa)
+        size = plan.cp_size
+        whole = _global_plan(plan)
+        if size == 1:
+            return p2p_attention(q, k, v, whole, scale)
+        rep = _kv_heads_for_ranks(q.shape[1], k.shape[1], size)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        group = plan.group
+        qh, kh, vh = (_SeqToHead.apply(t, group, size) for t in (q, k, v))
+        out = p2p_attention(qh, kh, vh, whole, scale)
+        return _HeadToSeq.apply(out, group, size)
+
+
+ulysses_sdpa = UlyssesTransport()
+
+__all__ = ["UlyssesTransport", "ulysses_sdpa"]
