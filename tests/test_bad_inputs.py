@@ -393,6 +393,14 @@ CASES: list[Case] = [
     Case("blockdiag-exchange", ("blockdiag",), "`cp.exchange=ring`", CPConfigError,
          "cp.exchange: Input should be 'auto', 'allgather', 'halo' or 'a2a'",
          act=build_with(exchange="ring")),
+    Case("config-not-honoured", ("blockdiag",), "`cp.attn_regather_kv=true` (blockdiag has its "
+         "own K/V exchange)", CPConfigError,
+         "cp.attn_regather_kv=True is not honoured by this backend",
+         act=build_with(attn_regather_kv=True)),
+    Case("config-pad-token-not-honoured", ("round_robin", "aux_only"), "`cp.padding_token_id=5` "
+         "(head-tail pad slots are always 0)", CPConfigError,
+         "cp.padding_token_id=5 is not honoured by this backend",
+         act=build_with(padding_token_id=5)),
     # magi dispatch-solver configuration
     Case("magi-chunk-size-not-multiple", ("magi",), "`cp.chunk_size=6` with `cp.block_size=4`",
          CPConfigError, "cp.chunk_size=6 is not a multiple of the per-chunk pad multiple 4",

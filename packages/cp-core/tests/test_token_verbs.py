@@ -103,7 +103,8 @@ def test_document_mask_is_built_on_first_read(backend: str) -> None:
     except Exception:
         pytest.skip(f"{backend} not installed")
     ids = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0]])
-    batch = {"input_ids": torch.arange(10).view(1, 10), "labels": torch.arange(10).view(1, 10),
+    batch = {"input_ids": torch.arange(10).view(1, 10),
+             "labels": torch.arange(10).view(1, 10).masked_fill(ids == 0, -100),
              "_packed_seq_ids": ids}
     s = build_sharder({"backend": backend, "size": 2}, SimulatedCPMesh(1, 2))
     ctx, _ = s.shard(batch)

@@ -20,6 +20,10 @@ class BlockDiagConfig(CPBackendConfig):
     """Shard only the auxiliary streams; the model embeds and slices the full primary stream
     in its forward with cp_core.shard_sequence_for_cp_contiguous (same pad_multiple)."""
 
+    not_honoured = {"attn_regather_kv": "its own K/V exchange keeps the exchanged rows for "
+                                        "backward; attn_regather_kv is an option of cp-core's "
+                                        "all-gather transport"}
+
     @model_validator(mode="after")
     def _check_causal(self) -> "BlockDiagConfig":
         if self.attention == "bidirectional":

@@ -37,12 +37,20 @@ class ContiguousConfig(CPBackendConfig):
     """False leaves input_ids/inputs_embeds full length for in-forward slicing."""
 
 
+_PAD_ZERO = ("its input_ids pad slots are always 0: they sit after every real token and carry "
+             "label -100, and the model's in-forward slicing pads with 0 too")
+
+
 class RoundRobinConfig(CPBackendConfig):
     """Head-tail load balancing: 2*cp chunks, rank r holds chunks r and 2*cp-1-r."""
+
+    not_honoured = {"padding_token_id": _PAD_ZERO}
 
 
 class AuxOnlyConfig(CPBackendConfig):
     """Head-tail layout of the auxiliary streams; the model slices its primary in forward."""
+
+    not_honoured = {"padding_token_id": _PAD_ZERO}
 
 
 def _sharder(cfg: CPBackendConfig, cp_mesh: Any, tp_mesh: Any, shard_fn: Any, index_fn: Any,

@@ -6,7 +6,7 @@ are refused (``extra="forbid"``), so a typo in ``cp.pad_multple=4`` is an error,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -51,6 +51,21 @@ class CPBackendConfig(BaseModel):
     attn_regather_kv: bool = False
     """All-gather transport: keep only the local K/V for backward and gather them again there
     (memory of every rank's K/V per layer traded for one more all-gather per layer)."""
+
+    #: Fields of this base a backend does not honour, with the reason: setting one to a
+    #: value other than its default is refused instead of silently ignored.
+    not_honoured: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="after")
+    def _refuse_not_honoured(self) -> "CPBackendConfig":
+        for name, reason in self.not_honoured.items():
+            default = type(self).model_fields[name].default
+            if name in self.model_fields_set and getattr(self, name) != default:
+                raise ValueError(
+                    f"cp.{name}={getattr(self, name)!r} is not honoured by this backend "
+                    f"({reason}); leave it at {default!r} or choose another backend"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_attention(self) -> "CPBackendConfig":

@@ -95,10 +95,25 @@ def resolution_config(model: Any, config: Any, meshes: Meshes, padding_token_id:
         return chosen  # a CPBackendConfig or DictConfig: the registry validates it as given
     out = dict(chosen)
     out.setdefault("size", cp_size(meshes.cp_mesh))
-    out.setdefault("padding_token_id", padding_token_id)
+    if not _ignores(out.get("backend"), "padding_token_id"):
+        # A backend that does not honour the pad token refuses it in its config: the caller's
+        # value is not forwarded there (it would not be used either way).
+        out.setdefault("padding_token_id", padding_token_id)
     if verify_layout:
         out.setdefault("verify_layout", True)
     return out
+
+
+def _ignores(backend: Any, field_name: str) -> bool:
+    """True when ``backend``'s config model declares ``field_name`` not honoured."""
+    from cp_core.errors import CPError
+    from cp_core.registry import get_backend
+
+    try:
+        model = get_backend(str(backend)).config_model
+    except CPError:  # unknown or broken: the registry reports it when building
+        return False
+    return field_name in getattr(model, "not_honoured", {})
 
 
 def build_from_registry(config: Any, meshes: Meshes) -> Any:

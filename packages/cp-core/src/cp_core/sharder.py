@@ -21,7 +21,7 @@ import torch
 from cp_core.batch import pad_seq_dim
 from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
 from cp_core.layout import ShardLayout, all_rank_indices
-from cp_core.mesh import SimulatedCPMesh, cp_size
+from cp_core.mesh import cp_group, cp_size
 from cp_core.positions import row_positions_to_stream, rows_to_stream, stream_to_rows
 from cp_core.resolution import (
     Meshes,
@@ -124,9 +124,7 @@ class ContextParallelSharder:
         """
         if loss_mask is None:
             loss_mask = self.loss_mask
-        # A simulated mesh plans without communicating: nothing to compare it with.
-        verify = (self.verify_layout and cp_size(self.cp_mesh) > 1
-                  and not isinstance(self.cp_mesh, SimulatedCPMesh))
+        verify = self.verify_layout and _can_communicate(self.cp_mesh)
         try:
             ctx_factory, out, layout = self.shard_batch(
                 self.cp_mesh, self.tp_mesh, batch, loss_mask=loss_mask,
@@ -368,6 +366,17 @@ class ContextParallelSharder:
                                f"on dims ({dim - 1}, {dim})")
         return (f"tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim "
                 f"{dim}; this layout accepts {', '.join(accepted)}")
+
+
+def _can_communicate(cp_mesh: Any) -> bool:
+    """True when ``cp_mesh`` spans several ranks and has a process group to check over (a
+    simulated or group-less duck-typed mesh plans without communicating: nothing to verify)."""
+    if cp_size(cp_mesh) <= 1:
+        return False
+    try:
+        return cp_group(cp_mesh) is not None
+    except CPLayoutError:
+        return False
 
 
 __all__ = ["ContextParallelSharder"]
