@@ -9,6 +9,8 @@ document-causal mask area. Solvers:
 * ``greedy``: MagiAttention's min-heap baseline (``method="greedy"``);
 * ``ptrr``: ``_PTRRLoadBalancer.ptrr_scheduling`` from torch (imported when this torch has it,
   else the column is left out with a note): a sort and a snake over the ranks;
+* ``best@ptrr``: the ``best`` solver told to stop once it is as balanced as PTRR on that
+  workload (``rel_tol`` from PTRR's max load): the time to *equal* balance;
 * ``baseline``: with ``--baseline REV``, cp-magi's solver as of git revision ``REV`` (read
   with ``git show``), for a before/after comparison.
 
@@ -109,6 +111,13 @@ def case(n: int, cp: int, rows: int, repeats: int, seed: int,
     balance: dict[str, list[float]] = {m: [] for m in methods}
     for w in workloads(n, rows, seed):
         mean = float(w.sum()) / cp
+        if "ptrr" in methods:
+            # Stop where PTRR stands on this workload: the time to equal balance.
+            bound = solve(w, cp).lower_bound
+            tol = max(float(methods["ptrr"](w, cp).max()) / bound - 1.0, 0.0) if bound else 0.0
+            methods = {**methods, "best@ptrr": lambda w, cp, t=tol: solve(w, cp, rel_tol=t).loads}
+            times.setdefault("best@ptrr", [])
+            balance.setdefault("best@ptrr", [])
         for name, fn in methods.items():  # warm-up, and the balance (deterministic)
             loads = fn(w, cp)
             balance[name].append(float(loads.max()) / mean if mean > 0 else 1.0)
@@ -118,7 +127,7 @@ def case(n: int, cp: int, rows: int, repeats: int, seed: int,
                 fn(w, cp)
                 times[name].append(time.process_time() - t0)
     out: dict[str, Any] = {"n_chunks": n, "cp": cp, "rows": rows, "repeats": repeats}
-    for name in methods:
+    for name in times:
         out[name] = {"median_ms": float(np.median(times[name]) * 1e3),
                      "worst_ms": float(np.max(times[name]) * 1e3),
                      "balance_mean": float(np.mean(balance[name])),
@@ -142,7 +151,7 @@ def main() -> None:
     methods, notes = solvers(args.baseline)
     cases = [case(n, cp, args.rows, args.repeats, args.seed, methods)
              for cp in args.cp for n in args.chunks]
-    names = list(methods)
+    names = [m for m in cases[0] if isinstance(cases[0][m], dict)]
     print(f"solver ms (process CPU, median / worst of {args.rows}x{args.repeats}) and work "
           f"max/mean (mean / worst over {args.rows} rows), {CHUNK}-token chunks")
     print("| chunks | cp | " + " | ".join(f"{m} ms | {m} balance" for m in names) + " |")
