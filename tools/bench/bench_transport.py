@@ -14,7 +14,8 @@ Also per configuration: the busiest rank's computed score area over its allowed 
 kernel pieces; a causal square counts its triangle), bytes saved for backward by the call
 (``saved_tensors_hooks``, each storage once) over the same figure for fused SDPA at CP=1, the
 most remote K/V rows held at once over the local rows, and bytes received per forward by the
-busiest rank and on average.
+busiest rank and on average (p2p: its schedule; allgather: every other rank's K/V; ulysses:
+the (cp-1)/cp of q, k, v and the output that cross ranks).
 """
 
 from __future__ import annotations
@@ -78,11 +79,16 @@ def attention_case(rank: int, world: int, configs: list[tuple[str, str, str]], t
             # A backend that drives its own kernel (plan.transport) ignores cp.transport.
             info["own"] = plan.transport is not None
             sched = schedule_for(plan) if transport == "p2p" and not info["own"] else None
+        n = leaves[0].shape[2]
         if sched is not None:
             info.update(area=sched.area(), pairs=sched.pairs(), held=sched.max_held_rows(),
                         recv_rows=sched.recv_rows())
+        elif transport == "ulysses":
+            # q, k, v in and the output back, each rank keeping 1/cp of every exchange; K/V
+            # heads replicated up to cp when there are fewer.
+            heads = hq + 2 * max(hkv, world) + hq
+            info.update(recv_rows=(world - 1) * n * heads / (2 * hkv) / world, held=0)
         else:
-            n = leaves[0].shape[2]
             info.update(recv_rows=(world - 1) * n, held=(world - 1) * n)
         info["local_rows"] = leaves[0].shape[2]
         prepared.append((ctx, leaves, local[3], info))
@@ -137,7 +143,7 @@ def run_transport(*, quick: bool = False, seed: int = 7) -> dict[str, Any]:
     from backends import benchmark_backends
     from report import make_result
 
-    tokens = 2048 if quick else 8192
+    tokens = 1024 if quick else 8192
     cps = [2] if quick else [2, 4]
     repeats = 1 if quick else 5
     rows: list[dict[str, Any]] = []
@@ -147,9 +153,10 @@ def run_transport(*, quick: bool = False, seed: int = 7) -> dict[str, Any]:
         names, errors = benchmark_backends(cp)
         notes += [f"{n} not loaded: {e}" for n, e in errors.items()]
         # The all-gather reference computes whole score blocks (seconds per call at 8K
-        # tokens): one backend of it is enough to show the gap.
+        # tokens) and ulysses is layout-independent: one backend of each shows them.
         configs = [(w, b, t) for w in ("doc", "packed") for b in names
-                   for t in ("p2p", "allgather") if t == "p2p" or b == "round_robin"]
+                   for t in ("p2p", "ulysses", "allgather")
+                   if t == "p2p" or b == "round_robin"]
         try:
             with RankPool(cp, run_timeout_s=1800.0) as pool:
                 per_rank = pool.run(attention_case, configs, tokens, repeats, seed)
