@@ -205,7 +205,9 @@ def run_app(spec: AppSpec, task: Callable[[Any], Any], argv: Sequence[str]) -> i
                                          [o for o in args.overrides if not o.startswith("hydra")])
             except Exception as exc:  # Hydra's composition errors are about the command line
                 raise CLIUsageError(one_line(exc)) from None
-            validate_config(spec, OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+            data = OmegaConf.to_container(cfg, resolve=True)
+            assert isinstance(data, dict)
+            validate_config(spec, data)
     except (CLIUsageError, *USER_ERRORS) as exc:
         return _report(spec, exc)
     if args.help:
