@@ -25,6 +25,17 @@ class BlockDiagConfig(CPBackendConfig):
                                         "all-gather transport"}
 
     @model_validator(mode="after")
+    def _check_transport(self) -> "BlockDiagConfig":
+        # blockdiag moves K/V itself (cp.exchange); cp.transport only picks the kernel that
+        # attends over the exchanged rows: p2p's fused pieces or allgather's blocked reference.
+        if self.transport not in ("p2p", "allgather"):
+            raise ValueError(
+                f"cp.transport={self.transport!r} is not honoured by blockdiag, which moves K/V "
+                "with its own exchange (cp.exchange); use p2p (fused kernels, the default) or "
+                "allgather (the blocked reference kernel)")
+        return self
+
+    @model_validator(mode="after")
     def _check_causal(self) -> "BlockDiagConfig":
         if self.attention == "bidirectional":
             raise ValueError(

@@ -19,6 +19,7 @@ import torch
 from cp_blockdiag.exchange import exchange_kv
 from cp_blockdiag.routing import KVRoute
 from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
+from cp_core.attention.p2p import fused_attention
 from cp_core.attention.plan import AttentionPlan
 from cp_core.attention.transport import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
@@ -72,9 +73,14 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: B
         k_index = plan.rank_indices.reshape(-1).to(q.device)
     else:
         k_index = torch.cat([extra.to(q.device), q_index]) if extra is not None else q_index
-    budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
-    return blocked_attention(q, k_all, v_all, q_index, k_index, plan.mask, scale=scale,
-                             block_budget_bytes=budget)
+    if plan.options.get("transport") == "allgather":
+        # The reference kernel, kept selectable (cp.transport=allgather) for comparison.
+        budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
+        return blocked_attention(q, k_all, v_all, q_index, k_index, plan.mask, scale=scale,
+                                 block_budget_bytes=budget)
+    # The exchanged keys feed cp-core's fused pieces (the same K/V index for every layer).
+    return fused_attention(q, k_all, v_all, plan, k_index, scale,
+                           cache_key=f"blockdiag:{route.exchange}")
 
 
 def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,

@@ -278,5 +278,29 @@ def p2p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
     return _P2PAttention.apply(q, k, v, sched, kernel, s, group)
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                    k_index: torch.Tensor, scale: float | None, cache_key: str = "fused"
+                    ) -> torch.Tensor:
+    """Attention of ``q`` (the plan's local queries) over keys already on this rank whose
+    global positions are ``k_index``, with the fused pieces of the plan's mask.
+
+    For a backend that moves K/V itself (blockdiag's exchanges): differentiable, with the
+    gradients of ``k``/``v`` flowing back through whatever produced them. The pieces are built
+    on the first call of a step and reused by its other layers (cached on the plan under
+    ``cache_key``).
+    """
+    sched = plan.cache.get(cache_key)
+    if sched is None:
+        rects = plan_rects(plan)
+        if rects is None:
+            raise ValueError(f"{type(plan.mask).__name__} has no attention_rects()")
+        q_runs, k_runs = index_runs(plan.q_index), index_runs(k_index)
+        mine = build_rank_slices(rects, q_runs, {0: k_runs})
+        sched = P2PSchedule(0, 1, mine.by_src.get(0, []), [])
+        plan.cache[cache_key] = sched
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _P2PAttention.apply(q, k, v, sched, kernel_for(q.device), s, None)
+
+
 __all__ = ["P2PSchedule", "RingStep", "build_schedule", "rank_runs", "schedule_for",
-           "plan_rects", "p2p_attention"]
+           "plan_rects", "p2p_attention", "fused_attention"]
