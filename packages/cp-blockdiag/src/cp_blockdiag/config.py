@@ -25,7 +25,7 @@ class BlockDiagConfig(CPBackendConfig):
                                         "all-gather transport"}
 
     @model_validator(mode="after")
-    def _check_transport(self) -> "BlockDiagConfig":
+    def _blockdiag_transport(self) -> "BlockDiagConfig":
         # blockdiag moves K/V itself (cp.exchange); cp.transport only picks the kernel that
         # attends over the exchanged rows: p2p's fused pieces or allgather's blocked reference.
         if self.transport not in ("p2p", "allgather"):
