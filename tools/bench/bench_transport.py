@@ -15,7 +15,8 @@ kernel pieces; a causal square counts its triangle), bytes saved for backward by
 (``saved_tensors_hooks``, each storage once) over the same figure for fused SDPA at CP=1, the
 most remote K/V rows held at once over the local rows, and bytes received per forward by the
 busiest rank and on average (p2p: its schedule; allgather: every other rank's K/V; ulysses:
-the (cp-1)/cp of q, k, v and the output that cross ranks).
+the (cp-1)/cp of q, k, v and the output that cross ranks; a backend's own exchange, shown
+as ``(own)``: the bytes each rank sent in the forward, as counted by ``count_collectives``).
 """
 
 from __future__ import annotations
@@ -93,10 +94,14 @@ def attention_case(rank: int, world: int, configs: list[tuple[str, str, str]], t
         info["local_rows"] = leaves[0].shape[2]
         prepared.append((ctx, leaves, local[3], info))
 
-    def attend(ctx: Any, leaves: list[Any], g: Any) -> None:
+    from cp_core.comm import count_collectives
+
+    def attend(ctx: Any, leaves: list[Any], g: Any, info: dict[str, Any]) -> int:
         with ctx():
-            out, saved = _saved_bytes(lambda: F.scaled_dot_product_attention(
-                *leaves, is_causal=True, enable_gqa=True))
+            with count_collectives() as stats:
+                out, saved = _saved_bytes(lambda: F.scaled_dot_product_attention(
+                    *leaves, is_causal=True, enable_gqa=True))
+            info["fwd_sent_bytes"] = stats.bytes_sent
             out.backward(g)
         for t in leaves:
             t.grad = None
@@ -117,10 +122,10 @@ def attention_case(rank: int, world: int, configs: list[tuple[str, str, str]], t
     saved = [0] * len(prepared)
     fused_saved = 0
     for rep in range(repeats + 1):  # the first round warms up and is not timed
-        for i, (ctx, leaves, g, _) in enumerate(prepared):
+        for i, (ctx, leaves, g, info) in enumerate(prepared):
             dist.barrier()
             t0 = time.process_time()
-            saved[i] = attend(ctx, leaves, g)
+            saved[i] = attend(ctx, leaves, g, info)
             if rep:
                 times[i].append(time.process_time() - t0)
         dist.barrier()
@@ -170,6 +175,9 @@ def run_transport(*, quick: bool = False, seed: int = 7) -> dict[str, Any]:
             t = max(r["t"][i] for r in per_rank)
             busiest = max(range(cp), key=lambda r: infos[r].get("pairs", 0))
             recv = [x["recv_rows"] * kv_row_bytes / 2**20 for x in infos]
+            if infos[0]["own"]:
+                # A backend's own exchange: what each rank sent, as its collectives count it.
+                recv = [x["fwd_sent_bytes"] / 2**20 for x in infos]
             if infos[0]["own"]:
                 if transport != "p2p":
                     continue  # the same backend-driven transport; report it once
