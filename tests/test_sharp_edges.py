@@ -2,7 +2,8 @@
 
 One positions rule (absent ``position_ids`` are each row's arange), labels that cannot hold
 -100 refused, 0-based ``_packed_seq_ids`` refused, shard and gather inverse with the same
-arguments on flat layouts, and a local batch that never aliases the caller's tensors.
+arguments on flat layouts, a local batch that never aliases the caller's tensors, and meta
+batches refused with a library error.
 """
 
 from __future__ import annotations
@@ -110,3 +111,12 @@ def test_local_batch_never_aliases_the_callers_tensors(backend: str, rank: int) 
         local[key].add_(1000)  # an in-place edit of the local batch
     for key, value in batch.items():
         assert torch.equal(value, before[key]), (backend, rank, key)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_on_the_meta_device_is_refused_with_a_library_error(backend: str) -> None:
+    _needs(backend)
+    meta = {"input_ids": torch.ones(2, 9, dtype=torch.long, device="meta"),
+            "labels": torch.ones(2, 9, dtype=torch.long, device="meta")}
+    with pytest.raises(CPBatchError, match=r"batch\['input_ids'\] is on the meta device"):
+        build_sharder({"backend": backend, "size": 1}, None).shard(meta)

@@ -89,6 +89,14 @@ def resolve_primary(batch: Mapping[str, Any]) -> tuple[str, torch.Tensor]:
             raise CPBatchError(f"batch['inputs_embeds'] must be floating point, got {t.dtype}")
     if t.shape[1] == 0:
         raise CPBatchError(f"batch[{key!r}] has shape {tuple(t.shape)}: the sequence is empty")
+    if t.shape[0] == 0:
+        raise CPBatchError(f"batch[{key!r}] has shape {tuple(t.shape)}: the batch has no rows")
+    if t.device.type == "meta":
+        # Layouts read the batch's values (documents, pad): a meta tensor has none.
+        raise CPBatchError(
+            f"batch[{key!r}] is on the meta device; shard a batch of real tensors (meta "
+            "tensors carry no values to find documents and pad in)"
+        )
     return key, t
 
 

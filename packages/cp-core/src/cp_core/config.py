@@ -6,13 +6,24 @@ are refused (``extra="forbid"``), so a typo in ``cp.pad_multple=4`` is an error,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cp_core.attention.plan import AttentionKind
 from cp_core.errors import CPConfigError
 from cp_core.mesh import cp_size
+
+
+#: Largest CP size a config may ask for (a bound, so a typo such as 1e9 is refused at once).
+MAX_CP_SIZE = 1 << 16
+#: Smallest score-block budget (MiB): below it every block would be a few rows.
+MIN_BLOCK_BUDGET_MB = 1 / 16
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """True when a field's annotation admits a bool (``bool`` or a union holding it)."""
+    return annotation is bool or any(a is bool for a in get_args(annotation))
 
 
 class CPBackendConfig(BaseModel):
@@ -23,7 +34,7 @@ class CPBackendConfig(BaseModel):
 
     backend: str
     """Registered name of the backend (the entry point name)."""
-    size: int | None = Field(None, ge=1)
+    size: int | None = Field(None, ge=1, le=MAX_CP_SIZE)
     """CP size: ranks that share one sequence. Unset (null): the size of the CP mesh the sharder
     is built on; when set it must equal that size."""
     padding_token_id: int = 0
@@ -45,12 +56,24 @@ class CPBackendConfig(BaseModel):
     """Check with one small collective per step (an all-gather of 11 int64 per rank) that every
     CP rank was fed the same batch and computed the same layout, and tell every rank when one
     failed while sharding; ``false`` turns it off."""
-    attn_block_budget_mb: float = Field(64.0, gt=0)
+    attn_block_budget_mb: float = Field(64.0, ge=MIN_BLOCK_BUDGET_MB)
     """Largest local score matrix (MiB, fp32) the transport builds at once before switching to
     blocked online-softmax attention."""
     attn_regather_kv: bool = False
     """All-gather transport: keep only the local K/V for backward and gather them again there
     (memory of every rank's K/V per layer traded for one more all-gather per layer)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_bools_for_numbers(cls, data: Any) -> Any:
+        # pydantic takes True as 1 for an int field: cp.size=True would silently turn CP off.
+        if isinstance(data, Mapping):
+            for name, value in data.items():
+                field = cls.model_fields.get(str(name))
+                if isinstance(value, bool) and field is not None \
+                        and not _takes_bool(field.annotation):
+                    raise ValueError(f"cp.{name}={value} is a boolean; it takes a number")
+        return data
 
     #: Fields of this base a backend does not honour, with the reason: setting one to a
     #: value other than its default is refused instead of silently ignored.
