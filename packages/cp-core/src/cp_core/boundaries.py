@@ -1,14 +1,14 @@
 """The THD boundary lists of a packed ``[B, S]`` batch, and the segments THD layouts use.
 
 Parses the list keys (``seq_lens``/``seq_lens_padded``, ``cu_seqlens``/``cu_seqlens_padded``)
-for :func:`cp_core.documents.resolve_documents`, the one resolver of documents; and turns the
-resolved document ids into *segments* for the THD layout (:func:`segments_from_document_ids`).
-A packed row is tiled by segments: one document's tokens followed by the pad the caller put
-after it (``span = length + caller pad``), in row-major order.
+for :func:`cp_core.documents.resolve_documents`, the one resolver of documents, through
+*segments*: a packed row is tiled by segments, one document's tokens followed by the pad the
+caller put after it (``span = length + caller pad``), in row-major order. THD layouts build
+their segments from the resolved ids (``cp_te.stream.segments_from_document_ids``).
 
 * ``seq_lens`` (+ optional ``seq_lens_padded``): per-row lengths ``[B, D]`` padded with a
   sentinel (default -1000);
-* ``cu_seqlens`` / ``cu_seqlens_padded``: cumulative boundaries, per row ``[B, D+1]`` (sentinel
+* ``cu_seqlens`` / ``cu_seqlens_padded`` (parsed in :mod:`cp_core.cu_seqlens`): cumulative boundaries, per row ``[B, D+1]`` (sentinel
   padded, each row ``0 ...``) or flat ``[N+1]`` over the ``B*S`` stream (every row start a
   boundary, so no document crosses a row). With both, ``cu_seqlens_padded`` places the
   documents and ``cu_seqlens`` gives their real lengths (TransformerEngine's convention).
@@ -232,131 +232,6 @@ def segments_from_seq_lens(batch: Mapping[str, Any], batch_size: int, seq_len: i
                                   trailing_pad=trailing_pad)
 
 
-def _check_cu_rows(cu: torch.Tensor, valid: torch.Tensor, key: str, strict: bool) -> None:
-    """Per-row cumulative boundaries: start at 0, increase (strictly when ``strict``)."""
-    starts_bad = ~valid[:, 0] | (cu[:, 0] != 0)
-    if bool(starts_bad.any()):
-        row = _first_bad_row(starts_bad)
-        raise CPBatchError(f"batch[{key!r}] row {row} is {_preview(cu[row])}: it must start at 0")
-    pair = valid[:, 1:]
-    step = cu[:, 1:] - cu[:, :-1]
-    bad = pair & ((step <= 0) if strict else (step < 0))
-    if bool(bad.any()):
-        row = _first_bad_row(bad.any(1))
-        word = "strictly increasing" if strict else "non-decreasing"
-        raise CPBatchError(
-            f"batch[{key!r}] row {row} is {_preview(cu[row][valid[row]])}: boundaries must be "
-            f"{word}"
-        )
-
-
-def _cu_last(cu: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    last = valid.sum(1) - 1
-    return cu.gather(1, last.unsqueeze(1)).squeeze(1)
-
-
-def segments_from_cu_seqlens(batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                             device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
-                             trailing_pad: bool = False) -> Segments:
-    """Segments from ``cu_seqlens`` and/or ``cu_seqlens_padded``, per row or flat."""
-    given = {k: _to_int_tensor(batch[k], k, device, sentinel)
-             for k in ("cu_seqlens", "cu_seqlens_padded") if batch.get(k) is not None}
-    pos_key = "cu_seqlens_padded" if "cu_seqlens_padded" in given else "cu_seqlens"
-    pos = given[pos_key]
-    real = given.get("cu_seqlens") if pos_key == "cu_seqlens_padded" else None
-    if real is not None and real.dim() != pos.dim():
-        raise CPBatchError(
-            f"batch['cu_seqlens'] has shape {tuple(real.shape)} and batch['cu_seqlens_padded'] "
-            f"{tuple(pos.shape)}: both must be flat [N+1] or both per row [B, D+1]"
-        )
-    if pos.dim() == 1:
-        return _segments_from_flat_cu(pos, real, pos_key, batch_size, seq_len, trailing_pad)
-    if pos.dim() != 2 or pos.shape[0] != batch_size:
-        raise CPBatchError(
-            f"batch[{pos_key!r}] has shape {tuple(pos.shape)}, expected flat [N+1] over the "
-            f"B*S={batch_size * seq_len} stream or per row [B, D+1] = [{batch_size}, D+1]"
-        )
-    valid = _valid_prefix(pos, pos_key, sentinel)
-    _check_cu_rows(pos, valid, pos_key, strict=True)
-    ends = _cu_last(pos, valid)
-    wrong = (ends > seq_len) if trailing_pad else (ends != seq_len)
-    if bool(wrong.any()):
-        row = _first_bad_row(wrong)
-        rule = "end at or before the row length" if trailing_pad else "end at the row length"
-        raise CPBatchError(
-            f"batch[{pos_key!r}] row {row} is {_preview(pos[row][valid[row]])}: the boundaries "
-            f"of a row must {rule} S={seq_len}, not {int(ends[row])}"
-        )
-    pair = valid[:, 1:]
-    span = pos[:, 1:] - pos[:, :-1]
-    length = span
-    if real is not None:
-        if real.shape != pos.shape or not torch.equal(_valid_prefix(real, "cu_seqlens", sentinel),
-                                                      valid):
-            raise CPBatchError(
-                f"batch['cu_seqlens'] (shape {tuple(real.shape)}) and batch['cu_seqlens_padded'] "
-                f"(shape {tuple(pos.shape)}) must list the same documents: same shape and the "
-                "sentinel in the same places"
-            )
-        _check_cu_rows(real, valid, "cu_seqlens", strict=False)
-        length = real[:, 1:] - real[:, :-1]
-    return _segments_from_lengths(length, span, pair, real_key="cu_seqlens", span_key=pos_key,
-                                  batch_size=batch_size, seq_len=seq_len, source="cu_seqlens",
-                                  trailing_pad=trailing_pad)
-
-
-def _segments_from_flat_cu(pos: torch.Tensor, real: torch.Tensor | None, pos_key: str,
-                           batch_size: int, seq_len: int, trailing_pad: bool) -> Segments:
-    total = batch_size * seq_len
-    if trailing_pad:  # [0] alone is a stream of pad only
-        bad_end = pos.numel() < 1 or int(pos[-1]) > total
-    else:
-        bad_end = pos.numel() < 2 or int(pos[-1]) != total
-    if bad_end or int(pos[0]) != 0:
-        rule = "end at or before" if trailing_pad else "end at"
-        raise CPBatchError(
-            f"batch[{pos_key!r}] is {_preview(pos)}: flat boundaries must start at 0 and {rule} "
-            f"the stream length B*S={batch_size}*{seq_len}={total}"
-        )
-    span = pos[1:] - pos[:-1]
-    if bool((span <= 0).any()):
-        i = int((span <= 0).nonzero()[0, 0])
-        raise CPBatchError(
-            f"batch[{pos_key!r}] is not strictly increasing at entry {i + 1} "
-            f"({int(pos[i])} -> {int(pos[i + 1])}): {_preview(pos)}"
-        )
-    start, end = pos[:-1], pos[1:]
-    row = torch.div(start, seq_len, rounding_mode="floor")
-    crosses = torch.div(end - 1, seq_len, rounding_mode="floor") != row
-    if bool(crosses.any()):
-        i = int(crosses.nonzero()[0, 0])
-        raise CPBatchError(
-            f"batch[{pos_key!r}] has a document [{int(start[i])}, {int(end[i])}) that crosses the "
-            f"end of row {int(row[i])} (rows are S={seq_len} tokens); every row start must be a "
-            "boundary: no document crosses a row"
-        )
-    length = span
-    if real is not None:
-        if real.shape != pos.shape or int(real[0]) != 0:
-            raise CPBatchError(
-                f"batch['cu_seqlens'] is {_preview(real)} but batch['cu_seqlens_padded'] is "
-                f"{_preview(pos)}: both must list the same documents, starting at 0"
-            )
-        length = real[1:] - real[:-1]
-        if bool((length < 0).any()):
-            raise CPBatchError(f"batch['cu_seqlens'] is not non-decreasing: {_preview(real)}")
-        over = length > span
-        if bool(over.any()):
-            i = int(over.nonzero()[0, 0])
-            raise CPBatchError(
-                f"document {i} has {int(length[i])} tokens in batch['cu_seqlens'] but only "
-                f"{int(span[i])} in batch['cu_seqlens_padded']"
-            )
-    if trailing_pad:
-        row, length, span = _close_rows(row, length, span, batch_size, seq_len)
-    return Segments(row, length, span, batch_size, seq_len, "cu_seqlens")
-
-
 def _token_offsets(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seg_of, offset)`` of every stream token: its segment and its offset in that segment."""
     b, s = segs.batch_size, segs.seq_len
@@ -365,49 +240,6 @@ def _token_offsets(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
                                      output_size=b * s)
     start = torch.cumsum(segs.span, 0) - segs.span
     return seg_of, torch.arange(b * s, device=device) - start[seg_of]
-
-
-def segments_from_source(name: str, batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                         device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
-                         trailing_pad: bool = False) -> Segments:
-    """Segments of the boundary list source ``name`` (``seq_lens`` or ``cu_seqlens``)."""
-    if name == "seq_lens":
-        return segments_from_seq_lens(batch, batch_size, seq_len, device, sentinel,
-                                      trailing_pad=trailing_pad)
-    if name == "cu_seqlens":
-        return segments_from_cu_seqlens(batch, batch_size, seq_len, device, sentinel,
-                                        trailing_pad=trailing_pad)
-    raise ValueError(f"unknown boundary source {name!r}; known: {list(EXPLICIT_SOURCES)}")
-
-
-def segments_from_document_ids(ids: torch.Tensor) -> Segments:
-    """Segments of resolved document ids ``[B, S]`` (per row 1, 2, ... in order, 0 == pad;
-    :func:`cp_core.documents.resolve_documents`).
-
-    A segment starts at each row start and at each document's first token; its ``length``
-    runs to the document's last real token (pad holes inside a document are part of it and
-    are masked by the caller's pad), and the pad after it joins its span. Pad at the start of
-    a row is a pad-only segment (length 0).
-    """
-    bsz, seq = ids.shape
-    device = ids.device
-    prev_max = torch.zeros_like(ids)
-    if seq > 1:
-        prev_max[:, 1:] = ids[:, :-1].cummax(dim=1).values
-    start = ids > prev_max
-    start[:, 0] = True
-    flat = start.reshape(-1)
-    seg = flat.long().cumsum(0) - 1
-    n = int(seg[-1]) + 1 if seg.numel() else 0
-    span = torch.bincount(seg, minlength=n)
-    col = torch.arange(bsz * seq, device=device)
-    seg_start = col[flat]
-    last = torch.full((n,), -1, dtype=torch.long, device=device)
-    real_col = torch.where(ids.reshape(-1) > 0, col, torch.full_like(col, -1))
-    last = last.scatter_reduce(0, seg, real_col, reduce="amax")
-    length = torch.where(last >= 0, last - seg_start + 1, torch.zeros_like(last))
-    row = torch.div(seg_start, seq, rounding_mode="floor")
-    return Segments(row, length, span, bsz, seq, "documents")
 
 
 def segment_document_ids(segs: Segments) -> torch.Tensor:
@@ -437,8 +269,5 @@ __all__ = [
     "Segments",
     "EXPLICIT_SOURCES",
     "segment_document_ids",
-    "segments_from_source",
     "segments_from_seq_lens",
-    "segments_from_cu_seqlens",
-    "segments_from_document_ids",
 ]

@@ -34,8 +34,9 @@ from cp_core.boundaries import (
     DEFAULT_SENTINEL,
     EXPLICIT_SOURCES,
     segment_document_ids,
-    segments_from_source,
+    segments_from_seq_lens,
 )
+from cp_core.cu_seqlens import segments_from_cu_seqlens
 from cp_core.doc_sources import (
     ids_from_4d_mask,
     ids_from_packed_seq_ids,
@@ -114,8 +115,8 @@ def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.de
                                                            seq).to(device)
     for name in ("seq_lens", "cu_seqlens"):
         if any(batch.get(k) is not None for k in EXPLICIT_SOURCES[name]):
-            segs = segments_from_source(name, batch, bsz, seq, device, sentinel,
-                                        trailing_pad=True)
+            parse = segments_from_seq_lens if name == "seq_lens" else segments_from_cu_seqlens
+            segs = parse(batch, bsz, seq, device, sentinel, trailing_pad=True)
             found[name] = segment_document_ids(segs)
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:

@@ -22,12 +22,7 @@ import torch
 
 from cp_core.attention.plan import AttentionKind, DocumentMask
 from cp_core.batch import normalize_batch, pad_value_for
-from cp_core.boundaries import (
-    BOUNDARY_KEYS,
-    DEFAULT_SENTINEL,
-    Segments,
-    segments_from_document_ids,
-)
+from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
 from cp_core.documents import Documents, resolve_documents, without_document_keys
 from cp_core.errors import CPBatchError
 from cp_core.framework import make_plan, make_transport_ctx
@@ -35,7 +30,7 @@ from cp_core.layout import ShardLayout
 from cp_core.mesh import cp_rank, cp_size
 from cp_core.padding import per_chunk_multiple
 from cp_te.partition import partitioned_indices_all_ranks
-from cp_te.stream import ThdStream
+from cp_te.stream import ThdStream, segments_from_document_ids
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
 
 #: Keys the sharder writes (any caller value under these names is replaced).
