@@ -24,8 +24,7 @@ attended. A token a document source marks as pad while ``labels``, ``attention_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -57,7 +56,6 @@ _PAD_SOURCES = ("_packed_seq_ids", "seq_lens", "cu_seqlens", "attention_mask_4d"
                 "attention_mask_indexed")
 
 
-@dataclass(frozen=True)
 class Documents:
     """The documents of a ``[B, S]`` batch.
 
@@ -66,10 +64,32 @@ class Documents:
         sources: the sources that were read, in precedence order (empty: one document per
             row); names are batch keys, with ``attention_mask_4d`` / ``attention_mask_indexed``
             for the two document forms of ``attention_mask``.
+        source_pad: True when a document source (not only ``padding_mask`` / a 2-D
+            ``attention_mask``) marks pad, so the local ``padding_mask`` must be rebuilt.
+
+    Built by :func:`resolve_documents`. When nothing can be refused (no source but restarting
+    ``position_ids``, or none), ``ids`` and ``sources`` are computed when first read, so a
+    static layout's shard does none of this work until attention needs the mask.
     """
 
-    ids: torch.Tensor
-    sources: tuple[str, ...]
+    def __init__(self, ids: torch.Tensor | Callable[[], torch.Tensor],
+                 sources: tuple[str, ...] | Callable[[], tuple[str, ...]],
+                 source_pad: bool = False) -> None:
+        self._ids, self._sources, self.source_pad = ids, sources, source_pad
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[B, S]`` int64 document ids, 0 == pad."""
+        if callable(self._ids):
+            self._ids = self._ids()
+        return self._ids
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources read, in precedence order."""
+        if callable(self._sources):
+            self._sources = self._sources()
+        return self._sources
 
     @property
     def source(self) -> str:
@@ -108,7 +128,7 @@ def canonical_ids(ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device,
                   sentinel: int | None) -> dict[str, torch.Tensor]:
-    """Document ids of every source the batch gives, in precedence order."""
+    """Document ids of every source the batch gives but ``position_ids``, in precedence order."""
     found: dict[str, torch.Tensor] = {}
     if batch.get("_packed_seq_ids") is not None:
         found["_packed_seq_ids"] = ids_from_packed_seq_ids(batch["_packed_seq_ids"], bsz,
@@ -131,10 +151,14 @@ def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.de
             f"expected [B, S] (validity or document indices) or [B, 1, S, S] (block-causal), "
             f"with B = {bsz}, S = {seq}"
         )
-    pos = position_rows(batch.get("position_ids"), bsz, seq)
-    if position_ids_restart(pos):
-        found["position_ids"] = ids_from_position_ids(pos.to(device))
     return found
+
+
+def _position_source(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
+                     ) -> torch.Tensor | None:
+    """Document ids from restarting ``position_ids``, or None when they are no source."""
+    pos = position_rows(batch.get("position_ids"), bsz, seq)
+    return ids_from_position_ids(pos.to(device)) if position_ids_restart(pos) else None
 
 
 def _key(name: str) -> str:
@@ -220,17 +244,41 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
     bsz, seq = int(primary.shape[0]), int(primary.shape[1])
     device = primary.device if device is None else device
     found = _read_sources(batch, bsz, seq, device, sentinel)
-    pad, says_real = _caller_pad(batch, bsz, seq, device)
     if not found:
-        ids = torch.ones(bsz, seq, dtype=torch.long, device=device)
-        return Documents(ids.masked_fill(pad, 0) if bool(pad.any()) else ids, ())
+        # Nothing to refuse: documents from restarting positions (or one per row) and the
+        # caller's pad, built when first read (a static layout's shard stays this cheap).
+        return Documents(lambda: _implicit_ids(batch, bsz, seq, device),
+                         lambda: _implicit_sources(batch, bsz, seq))
+    by_position = _position_source(batch, bsz, seq, device)
+    if by_position is not None:
+        found["position_ids"] = by_position
+    pad, says_real = _caller_pad(batch, bsz, seq, device)
     _refuse_contradictions(batch, found, says_real, bsz, seq)
+    source_pad = False
     for name, ids in found.items():
         if name in _PAD_SOURCES:
+            source_pad = True
             pad = pad | (ids == 0)
-    real = ~pad
-    _refuse_disagreement(found, real)
-    return Documents(canonical_ids(next(iter(found.values())), real), tuple(found))
+    if len(found) > 1:
+        _refuse_disagreement(found, ~pad)
+    first = next(iter(found.values()))
+    # Every source's ids are already 1, 2, ... per row; only pad can leave gaps to relabel.
+    ids = canonical_ids(first, ~pad) if bool(pad.any()) else first
+    return Documents(ids, tuple(found), source_pad)
+
+
+def _implicit_ids(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
+                  ) -> torch.Tensor:
+    ids = _position_source(batch, bsz, seq, device)
+    if ids is None:
+        ids = torch.ones(bsz, seq, dtype=torch.long, device=device)
+    pad, _ = _caller_pad(batch, bsz, seq, device)
+    return canonical_ids(ids, ~pad) if bool(pad.any()) else ids
+
+
+def _implicit_sources(batch: Mapping[str, Any], bsz: int, seq: int) -> tuple[str, ...]:
+    pos = position_rows(batch.get("position_ids"), bsz, seq)
+    return ("position_ids",) if position_ids_restart(pos) else ()
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -257,7 +305,9 @@ def without_document_keys(batch: Mapping[str, Any], docs: Documents) -> dict[str
     mask = out.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         del out["attention_mask"]
-    if out.get("padding_mask") is not None or bool(docs.pad.any()):
+    # Without a pad-marking source the caller's own masks say all there is about pad: the
+    # normaliser reads them (and the ids stay unbuilt).
+    if docs.source_pad and (out.get("padding_mask") is not None or bool(docs.pad.any())):
         out["padding_mask"] = docs.pad
         out.pop("attention_mask", None)
     return out
