@@ -203,12 +203,15 @@ def _best_cross_swap(wgrid: np.ndarray, row_class: np.ndarray, loads: np.ndarray
 
 def _paired_rounds(wgrid: np.ndarray, grid: np.ndarray, loads: np.ndarray, target: float,
                    rounds: int) -> None:
-    """Up to ``rounds`` rounds of simultaneous swaps (in place): the i-th most loaded rank
-    pairs with the i-th least loaded one, and every pair takes its best single-row swap at
-    once (the pairs share no rank, so the swaps commute). A round costs a few vectorised
-    operations, and closes every pair's gap by about half."""
+    """Up to ``rounds`` rounds of simultaneous exchanges (in place): the i-th most loaded rank
+    pairs with the i-th least loaded one, and every pair takes its best exchange at once (the
+    pairs share no rank, so the exchanges commute): the best single row, or with few rows the
+    best subset of rows. A round costs a few vectorised operations and closes every pair's gap
+    by about half, so large CP sizes need rounds, not one move per rank."""
     cp = loads.size
     half = np.arange(cp // 2)
+    n_rows = wgrid.shape[0]
+    subsets = _subsets(n_rows) if n_rows <= SUBSET_MAX_ROWS else None
     for _ in range(rounds):
         if loads.max() <= target:
             return
@@ -216,16 +219,27 @@ def _paired_rounds(wgrid: np.ndarray, grid: np.ndarray, loads: np.ndarray, targe
         light, heavy = order[half], order[cp - 1 - half]
         d = wgrid[:, heavy] - wgrid[:, light]  # [rows, pairs]
         lh, ll = loads[heavy], loads[light]
-        ok = (d > 0) & (d < lh - ll)
-        new = np.where(ok, np.maximum(lh - d, ll + d).astype(np.float64), np.inf)
-        row = np.argmin(new, axis=0)  # first minimum per pair
-        take = np.isfinite(new[row, half]) & (new[row, half] < lh)
+        if subsets is not None:
+            # float64 matmul is exact for integer sums below 2**53.
+            moves = subsets @ d.astype(np.float64)  # [subsets, pairs]
+        else:
+            moves = d.astype(np.float64)
+        ok = (moves > 0) & (moves < (lh - ll))
+        new = np.where(ok, np.maximum(lh - moves, ll + moves), np.inf)
+        pick = np.argmin(new, axis=0)  # first minimum per pair
+        take = np.isfinite(new[pick, half]) & (new[pick, half] < lh)
         if not take.any():
             return
-        r, h, li = row[take], heavy[take], light[take]
-        moved = d[r, half[take]]
-        loads[h] -= moved
-        loads[li] += moved
+        if subsets is not None:
+            mask = subsets[pick].T.astype(bool) & take[None, :]  # [rows, pairs]
+        else:
+            mask = (np.arange(n_rows)[:, None] == pick[None, :]) & take[None, :]
+        r, j = np.nonzero(mask)
+        h, li = heavy[j], light[j]
+        moved = np.bincount(j, weights=d[r, j].astype(np.float64), minlength=half.size)
+        moved = moved.astype(loads.dtype)
+        loads[heavy] -= moved
+        loads[light] += moved
         grid[r, h], grid[r, li] = grid[r, li], grid[r, h].copy()
         wgrid[r, h], wgrid[r, li] = wgrid[r, li], wgrid[r, h].copy()
 
