@@ -103,7 +103,7 @@ def build_schedule(rects: BandRects, runs: list[list[Run]], rank: int) -> P2PSch
         pieces = merge_full_pieces(to_buffer_coords(mine.by_src.get(src, []), recv)) \
             if recv else []
         # What dst will ask of us: the same cropping, seen from dst's queries.
-        theirs = build_rank_slices(rects, runs[dst], {rank: runs[rank]})
+        theirs = build_rank_slices(rects, runs[dst], {rank: runs[rank]}, pieces=False)
         steps.append(RingStep(src, recv, pieces, dst, theirs.needed.get(rank, [])))
     return P2PSchedule(rank, size, mine.by_src.get(rank, []), steps)
 

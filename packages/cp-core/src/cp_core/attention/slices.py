@@ -194,15 +194,18 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def build_rank_slices(rects: BandRects, q_runs: list[Run], k_runs: dict[int, list[Run]]
-                      ) -> RankSlices:
+def build_rank_slices(rects: BandRects, q_runs: list[Run], k_runs: dict[int, list[Run]],
+                      pieces: bool = True) -> RankSlices:
     """Crop every rectangle to (query run x key run) of the given owners and cut it into pieces.
 
     ``q_runs``: this rank's query runs; ``k_runs[s]``: the runs of key owner ``s``. Cropping one
     (rectangle, query run, key run) triple does not depend on any other run, so a sender that
     passes only its own key runs computes exactly the key ranges the receiver will read.
+    ``needed`` comes from the tightened boxes (whose keys the pieces cover exactly), so a
+    sender can skip cutting pieces (``pieces=False``) and still agree with the receiver.
     """
     result = RankSlices()
+    boxes: dict[int, list[tuple[int, int]]] = {}
     q_sorted = sorted(q_runs, key=lambda r: r.start)
     q_starts = [r.start for r in q_sorted]
     owners = []
@@ -236,13 +239,17 @@ def build_rank_slices(rects: BandRects, q_runs: list[Run], k_runs: dict[int, lis
                 # Global -> local: q_loc = q - qr.start + qr.local (same for k); the band
                 # d = k - q shifts by the difference of the two offsets.
                 qoff, koff = qr.local - qr.start, kr.local - kr.start
+                boxes.setdefault(src, []).append((gc + koff, gf + koff))
+                if not pieces:
+                    continue
                 shift = koff - qoff
                 _pieces(b, ga + qoff, ge + qoff, src, gc + koff, gf + koff,
                         glo + shift if glo > -INF else -INF,
                         ghi + shift if ghi < INF else INF,
                         result.by_src.setdefault(src, []))
+    for s, ranges in boxes.items():
+        result.needed[s] = merge_ranges(ranges)
     for s, ps in result.by_src.items():
-        result.needed[s] = merge_ranges([(p.k0, p.k1) for p in ps])
         result.by_src[s] = merge_full_pieces(ps)
     return result
 
