@@ -1,8 +1,8 @@
 """The ``striped`` backend record: config model, ``shard_batch`` and sharder factory.
 
-Built only from cp-core's public building blocks (batch normalisation, the shared pad-and-
-select procedure, the document mask and the default all-gather transport), the way any
-third-party backend would be.
+Built only from cp-core's public building blocks (the one document resolver with batch
+normalisation, the shared pad-and-select procedure, the document mask and the default
+transport), the way any third-party backend would be.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 from pydantic import Field
 
 from cp_core.attention.plan import AttentionKind
-from cp_core.batch import normalize_batch
 from cp_core.config import CPBackendConfig
 from cp_core.framework import (
     build_document_mask,
     make_plan,
     make_transport_ctx,
+    normalize_with_documents,
     shard_normalized,
 )
 from cp_core.layout import ShardLayout, lcm
@@ -47,7 +47,9 @@ def shard_batch_striped(
     """Pad to a multiple of ``cp * stripe`` (and of the per-rank multiples), keep this rank's
     stripes. Pad slots take cp-core's fills (labels -100, padding_mask True, input_ids the
     pad token); attention runs through cp-core's all-gather transport with the document mask."""
-    nb = normalize_batch(batch, loss_mask=loss_mask)
+    # Documents and pad from cp-core's one resolver: the same batch means the same documents
+    # on every backend.
+    nb, docs = normalize_with_documents(batch, loss_mask=loss_mask)
     size = cp_size(cp_mesh)
     per_rank = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                                   sequence_parallel=sequence_parallel, block_size=block_size)
@@ -56,7 +58,7 @@ def shard_batch_striped(
     divisor = size * lcm(stripe, per_rank)
     out, layout = shard_normalized(nb, cp_mesh, partial(striped_local_indices, stripe=stripe),
                                    divisor, padding_token_id=padding_token_id)
-    mask = build_document_mask(nb, layout.padded_seq_len or nb.seq_len, attention=attention,
+    mask = build_document_mask(docs, layout.padded_seq_len or nb.seq_len, attention=attention,
                                window=window, chunk=chunk)
     plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
                      options=transport_options)
