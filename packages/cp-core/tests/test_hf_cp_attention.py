@@ -70,7 +70,8 @@ def _truth(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, 
     return float(loss), grads
 
 
-def _case(rank: int, world: int, arch: str, backend: str, size: int) -> dict[str, Any] | None:
+def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str = "cp",
+          config: dict[str, Any] | None = None) -> dict[str, Any] | None:
     import cp_core.hf  # noqa: F401  (registers "cp")
     from cp_core.grads import allreduce_gradients
     from cp_core.loss import cp_cross_entropy
@@ -81,12 +82,15 @@ def _case(rank: int, world: int, arch: str, backend: str, size: int) -> dict[str
         return None
     batch = make_packed_batch(DOCS, vocab=64, seed=5, pad_to=SEQ)
     batch = {k: v for k, v in batch.items() if k != "_packed_seq_ids"}  # documents from positions
-    model = _model(arch, "cp")
-    sharder = build_sharder({"backend": backend, "size": size}, group)
+    model = _model(arch, impl)
+    sharder = build_sharder({"backend": backend, "size": size, **(config or {})}, group)
     ctx, local = sharder.shard(batch)
+    # Plain sdpa needs the all-ones mask (HF would otherwise infer documents from the local,
+    # permuted positions); "cp" needs nothing.
+    extra = {"attention_mask": torch.ones_like(local["input_ids"])} if impl == "sdpa" else {}
     with ctx():
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                       use_cache=False).logits
+                       use_cache=False, **extra).logits
         loss = cp_cross_entropy(logits, local["labels"], group)
         loss.backward()
     allreduce_gradients(model, group)
@@ -119,6 +123,16 @@ CASES = [(a, "round_robin", 2) for a in ARCHS] + [
 def test_cp_attention_matches_documents_alone(pool: RankPool, arch: str, backend: str,
                                               size: int) -> None:
     for res in pool.run(_case, arch, backend, size)[:size]:
+        assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["round_robin", "contiguous"])
+def test_plain_sdpa_sliding_window_mask_is_recognised(pool: RankPool, backend: str) -> None:
+    """Mistral through plain SDPA interception: HF passes its local sliding-window mask; it
+    matches the configured window, so it is served (not refused) and exact."""
+    cfg = {"attention": "sliding_window", "window": 6}
+    for res in pool.run(_case, "mistral", backend, 2, "sdpa", cfg)[:2]:
         assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
 
 

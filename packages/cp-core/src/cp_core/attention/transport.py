@@ -43,11 +43,15 @@ _MASKED_ADDITIVE = -1.0e4
 _cache = threading.local()
 
 
-def _plain_causal(mask: torch.Tensor, n: int) -> bool:
-    """True when ``mask`` (bool or additive float, ``[..., n, n]``) is the plain causal mask."""
+def _plain_causal(mask: torch.Tensor, n: int, window: int | None = None) -> bool:
+    """True when ``mask`` (bool or additive float, ``[..., n, n]``) is the plain causal mask
+    over the local length (with ``window``: Hugging Face's local sliding-window mask, a key at
+    most ``window - 1`` rows before its query)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
         return False
     tri = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    if window is not None:
+        tri = tri & ~torch.ones(n, n, dtype=torch.bool, device=mask.device).tril(-int(window))
     if mask.dtype == torch.bool:
         return bool((mask == tri).all())
     if mask.is_floating_point():
@@ -57,7 +61,7 @@ def _plain_causal(mask: torch.Tensor, n: int) -> bool:
     return False
 
 
-def _is_plain_causal_cached(mask: torch.Tensor, n: int) -> bool:
+def _is_plain_causal_cached(mask: torch.Tensor, n: int, window: int | None = None) -> bool:
     """:func:`_plain_causal`, remembered for the last mask seen on this thread.
 
     A model passes the same mask object to every layer; checking it once per forward is
@@ -67,11 +71,11 @@ def _is_plain_causal_cached(mask: torch.Tensor, n: int) -> bool:
     entry = getattr(_cache, "entry", None)
     if entry is not None:
         ref, version, size, result = entry
-        if ref() is mask and version == mask._version and size == n:
+        if ref() is mask and version == mask._version and size == (n, window):
             return result
-    result = _plain_causal(mask, n)
+    result = _plain_causal(mask, n, window)
     try:
-        _cache.entry = (weakref.ref(mask), mask._version, n, result)
+        _cache.entry = (weakref.ref(mask), mask._version, (n, window), result)
     except TypeError:  # pragma: no cover - tensors support weak references
         pass
     return result
@@ -95,7 +99,14 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
                 "scaled_dot_product_attention got both attn_mask and is_causal=True; pass one"
             )
         n = q.shape[-2]
-        if not isinstance(attn_mask, torch.Tensor) or not _is_plain_causal_cached(attn_mask, n):
+        window = getattr(plan.mask, "window", None) if plan.kind == "sliding_window" else None
+        # Hugging Face hands SDPA its own local mask: the causal one, or for sliding-window
+        # models the local sliding-window one. Either, when it is exactly what the plan's kind
+        # means over the local length, is the plan's mask seen locally: accept it.
+        plain = isinstance(attn_mask, torch.Tensor) and (
+            _is_plain_causal_cached(attn_mask, n)
+            or (window is not None and _is_plain_causal_cached(attn_mask, n, window)))
+        if not plain:
             shape = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else attn_mask
             dtype = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask)
             raise CPAttentionError(
@@ -108,7 +119,8 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
                 "Hugging Face models build such a mask from packed position_ids when called "
                 "with attention_mask=None and use_cache=False: pass "
                 "attention_mask=torch.ones_like(input_ids) to the model (the sharder's mask "
-                "already separates the documents)"
+                "already separates the documents). Models whose layers differ in kind (sliding "
+                "and full layers) need attn_implementation=\"cp\" (import cp_core.hf)"
             )
         is_causal = True
     if is_causal and plan.kind == "bidirectional":
