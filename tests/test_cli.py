@@ -59,6 +59,7 @@ def test_cp_plan_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], ar
     (["demo.stepz=1"], ["unknown key demo.stepz", "did you mean steps?"]),
     (["demo.steps=0"], ["demo.steps", "greater than or equal to 1"]),
     (["cp=magi", "cp.solver=exact"], ["cp.solver", "exact"]),
+    (["+cp.bogus=1"], ["unknown key cp.bogus", "valid keys"]),
 ])
 def test_cp_demo_user_errors_start_no_process(capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch, argv: list[str],
