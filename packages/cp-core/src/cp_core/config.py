@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cp_core.attention.plan import AttentionKind
 from cp_core.errors import CPConfigError
@@ -56,12 +56,25 @@ class CPBackendConfig(BaseModel):
     """Check with one small collective per step (an all-gather of 11 int64 per rank) that every
     CP rank was fed the same batch and computed the same layout, and tell every rank when one
     failed while sharding; ``false`` turns it off."""
+    transport: str = "p2p"
+    """Attention transport serving SDPA inside the sharder's context (entry-point group
+    ``cp_core.transports``): ``p2p`` (needed-only K/V, fused kernels), ``ulysses`` (all-to-all
+    to head-sharded) or ``allgather`` (the reference: every rank's K/V, blocked kernel)."""
     attn_block_budget_mb: float = Field(64.0, ge=MIN_BLOCK_BUDGET_MB)
     """Largest local score matrix (MiB, fp32) the transport builds at once before switching to
     blocked online-softmax attention."""
     attn_regather_kv: bool = False
     """All-gather transport: keep only the local K/V for backward and gather them again there
     (memory of every rank's K/V per layer traded for one more all-gather per layer)."""
+
+    @field_validator("transport")
+    @classmethod
+    def _check_transport(cls, name: str) -> str:
+        from cp_core.attention.transports import available_transports
+
+        if name not in available_transports():
+            raise ValueError(f"unknown transport {name!r}; installed: {list(available_transports())}")
+        return name
 
     @model_validator(mode="before")
     @classmethod
@@ -118,7 +131,8 @@ class CPBackendConfig(BaseModel):
             "window": self.window,
             "chunk": self.chunk,
             "transport_options": {"block_budget_bytes": int(self.attn_block_budget_mb * 2**20),
-                                  "regather_kv": self.attn_regather_kv},
+                                  "regather_kv": self.attn_regather_kv,
+                                  "transport": self.transport},
         }
 
 
