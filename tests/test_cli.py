@@ -155,3 +155,23 @@ def test_installed_scripts_exit_2_with_one_line() -> None:
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "cp.size" in proc.stderr and proc.stdout == ""
+
+
+def test_any_hydra_app_gets_the_cp_group_and_its_own_yaml_wins(tmp_path: Path) -> None:
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    (tmp_path / "cp").mkdir()
+    (tmp_path / "config.yaml").write_text("defaults:\n  - cp: round_robin\n  - _self_\n")
+    (tmp_path / "cp" / "round_robin.yaml").write_text("backend: round_robin\nsize: 3\n")
+    GlobalHydra.instance().clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "validated against ConfigStore schema" merge
+        with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+            own = compose(config_name="config")
+            plugin = compose(config_name="config", overrides=["cp=magi", "cp.solver=greedy"])
+    GlobalHydra.instance().clear()
+    assert dict(own.cp) == {"backend": "round_robin", "size": 3}  # the app's YAML, alone
+    assert plugin.cp.backend == "magi" and plugin.cp.solver == "greedy"  # from the registry

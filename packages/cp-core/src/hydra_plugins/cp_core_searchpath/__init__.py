@@ -23,7 +23,8 @@ class CPCoreSearchPathPlugin(SearchPathPlugin):
         from cp_core.hydra_config import CONFIG_PATH, register_backend_configs
 
         # An app's own cp/<name>.yaml wins over the node built from the backend's defaults.
-        own = [Path(e.path[len("file://"):]) for e in search_path.get_path()
-               if e.path is not None and e.path.startswith("file://")]
+        # Config dirs are "file://<dir>" or a bare path (initialize_config_dir passes one).
+        own = [Path(e.path.removeprefix("file://")) for e in search_path.get_path()
+               if e.path is not None and ("://" not in e.path or e.path.startswith("file://"))]
         register_backend_configs(own)
         search_path.append(provider="cp_core", path=CONFIG_PATH)
