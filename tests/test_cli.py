@@ -137,7 +137,8 @@ def test_demo_help_and_cfg_job(capsys: pytest.CaptureFixture[str]) -> None:
     assert "verify_layout: true" in out  # the demo's own default
 
 
-def test_explain_lists_backends_and_what_is_legal(capsys: pytest.CaptureFixture[str]) -> None:
+def test_explain_lists_backends_and_what_is_legal(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan_cli.main(["--explain", "cp.size=4", "plan.seq_len=1000", "heads=8",
                           "kv_heads=2"]) == 0
     out = capsys.readouterr().out
@@ -145,6 +146,19 @@ def test_explain_lists_backends_and_what_is_legal(capsys: pytest.CaptureFixture[
     assert "identity (cp-core" in out and "refuses: " in out  # identity cannot run at cp=4
     assert "round_robin (cp-core" in out and "legal: rows [1, 250] per rank" in out
     assert "heads=8 kv_heads=2: legal" in out
+    # A transport that declares a head rule is asked; the others are not claimed legal.
+    from cp_core.attention.transports import get_transport
+    from cp_core.errors import CPAttentionError
+
+    def check_heads(heads: int, kv_heads: int, size: int) -> None:
+        if heads % size:
+            raise CPAttentionError(f"{heads} heads do not split over cp={size}")
+
+    monkeypatch.setattr(get_transport("allgather"), "check_heads", check_heads, raising=False)
+    assert plan_cli.main(["--explain", "cp.size=4", "heads=6", "kv_heads=2"]) == 0
+    out = capsys.readouterr().out
+    assert "heads: refuses: 6 heads do not split over cp=4" in out
+    assert "heads: no rule declared" in out
     assert plan_cli.main(["--explain", "cp.sise=4"]) == 2
     assert "got 'cp.sise=4'" in capsys.readouterr().err
 

@@ -110,14 +110,37 @@ def _heads_line(q: Question) -> str | None:
             "never heads)")
 
 
-def _transport_lines() -> list[str]:
+def _heads_verdict(transport: Any, q: Question) -> str:
+    """A transport's answer for the asked head counts, when it declares a rule.
+
+    A transport may have ``check_heads(num_heads, num_kv_heads, cp_size)`` that raises a
+    :class:`~cp_core.errors.CPError` for head counts it cannot serve (a head-splitting one
+    such as Ulysses); without it nothing is claimed."""
+    if q.heads is None and q.kv_heads is None:
+        return ""
+    check = getattr(transport, "check_heads", None)
+    if not callable(check):
+        return "; heads: no rule declared (check_heads)"
+    heads, kv = q.heads or q.kv_heads, q.kv_heads or q.heads
+    try:
+        check(heads, kv, q.size)
+    except CPError as exc:
+        return "; heads: refuses: " + " ".join(str(exc).split())
+    return f"; heads={heads}/{kv} at cp.size={q.size}: legal"
+
+
+def _transport_lines(q: Question) -> list[str]:
     from cp_core.attention.transports import get_transport, transport_entry_points
 
     lines = []
     for name, target in sorted(transport_entry_points().items()):
         try:
-            doc = (get_transport(name).__doc__ or "").strip().splitlines()
-            summary = doc[0] if doc else ""
+            transport = get_transport(name)
+            # The module says what the transport is; the object's own doc is often its API.
+            module = sys.modules.get(getattr(transport, "__module__", "") or "")
+            doc = ((module.__doc__ if module else None) or transport.__doc__ or "")
+            doc = doc.strip().splitlines()
+            summary = (doc[0] if doc else "").rstrip(".") + _heads_verdict(transport, q)
         except CPError as exc:
             summary = f"fails to import: {exc}"
         lines.append(f"  {name:<12} {target}  {summary}")
@@ -142,7 +165,7 @@ def explain(q: Question) -> str:
     heads = _heads_line(q)
     if heads:
         lines += ["", heads]
-    lines += ["", "attention transports (cp.transport=<name>):", *_transport_lines()]
+    lines += ["", "attention transports (cp.transport=<name>):", *_transport_lines(q)]
     return "\n".join(lines)
 
 
