@@ -2,8 +2,8 @@
 
 Two rows of 16 tokens: row 0 holds documents of 5 and 6 tokens then 5 pad, row 1 documents of
 4, 3 and 7 tokens then 2 pad. Each form describes those documents with a different source
-(``_packed_seq_ids``, restarting ``position_ids``, ``seq_lens``, a 4-D block mask, an indexed
-2-D mask), with or without ``position_ids``, with a pad hole inside a document, or with a first
+(``_packed_seq_ids``, restarting ``position_ids``, ``seq_lens``, flat ``cu_seqlens``, a 4-D
+block mask, an indexed 2-D mask), with or without ``position_ids``, with a pad hole inside a document, or with a first
 document whose positions do not start at 0. Pad tokens carry label -100. Every backend must
 give the same loss and gradients on every form as :func:`cp_core.testing.truth.truth_step`.
 """
@@ -60,6 +60,9 @@ def _form(name: str) -> dict[str, Any]:
     if name == "seq_lens":
         return {**batch, "seq_lens": torch.tensor([[5, 6, -1000], [4, 3, 7]]),
                 "position_ids": _relative(ids)}
+    if name == "cu_seqlens_flat":  # TransformerEngine's form: padded placement, real lengths
+        return {**batch, "cu_seqlens_padded": torch.tensor([0, 5, 16, 20, 23, 32]),
+                "cu_seqlens": torch.tensor([0, 5, 11, 15, 18, 25])}
     if name == "pad_hole_in_document":
         hole = valid.clone()
         hole[0, 7] = 0  # the third token of row 0's second document
@@ -78,7 +81,8 @@ def _form(name: str) -> dict[str, Any]:
 
 
 FORMS: tuple[str, ...] = ("packed_ids_with_positions", "packed_ids_no_positions",
-                          "restarting_positions", "seq_lens", "pad_hole_in_document",
+                          "restarting_positions", "seq_lens", "cu_seqlens_flat",
+                          "pad_hole_in_document",
                           "restart_not_at_zero", "block_mask_4d", "indexed_mask")
 
 

@@ -2,7 +2,8 @@
 
 A packed batch is read here by plain Python loops, written from the documented conventions
 and sharing no code with :mod:`cp_core.documents`: which token belongs to which document
-(``_packed_seq_ids``; else ``attention_mask`` holding ids above 1; else ``seq_lens``; else
+(``_packed_seq_ids``; else ``attention_mask`` holding ids above 1; else ``seq_lens`` or
+``cu_seqlens``; else
 ``position_ids`` that go back to 0, a document
 starting at each row start and each 0; else one document per row), which tokens are pad
 (``padding_mask`` True, a 2-D ``attention_mask`` 0, id 0 / past the listed lengths), and the
@@ -27,12 +28,50 @@ from torch import nn
 
 
 def _rows(t: Any, bsz: int) -> list[list[int]] | None:
-    """A ``[B, S]`` / ``[1, S]`` / ``[S]`` integer tensor as B lists, else None."""
+    """A ``[B, S]`` / ``[1, S]`` / ``[S]`` integer tensor (or nested list) as B lists."""
+    if isinstance(t, (list, tuple)):
+        rows = [list(r) for r in t] if t and isinstance(t[0], (list, tuple)) else [list(t)]
+        return rows * bsz if len(rows) == 1 and bsz > 1 else rows
     if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dim() > 2:
         return None
     t = t.reshape(1, -1) if t.dim() == 1 else t
     t = t.expand(bsz, t.shape[1]) if t.shape[0] == 1 else t
     return [list(map(int, r)) for r in t.tolist()]
+
+
+def _lengths_from_cu(batch: Mapping[str, Any], bsz: int, seq: int
+                     ) -> tuple[list[list[int]], list[list[int]]] | None:
+    """Per-row (real, padded) document lengths from ``cu_seqlens`` (+ ``_padded``), flat or
+    per row, by loops."""
+    real_cu, pad_cu = batch.get("cu_seqlens"), batch.get("cu_seqlens_padded")
+    if real_cu is None and pad_cu is None:
+        return None
+    place = pad_cu if pad_cu is not None else real_cu
+    flat = isinstance(place, torch.Tensor) and place.dim() == 1 or (
+        isinstance(place, (list, tuple)) and place and not isinstance(place[0], (list, tuple)))
+
+    def values(cu: Any) -> list[int]:
+        return [int(v) for v in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
+
+    if flat:  # boundaries over the B*S stream; the placing list says which row each is in
+        bounds = values(place)
+        reals = values(real_cu) if real_cu is not None else bounds
+        padded: list[list[int]] = [[] for _ in range(bsz)]
+        real: list[list[int]] = [[] for _ in range(bsz)]
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            padded[a // seq].append(b - a)
+            real[a // seq].append(reals[i + 1] - reals[i])
+        return real, padded
+
+    def per_row(cu: Any) -> list[list[int]]:
+        out = []
+        for r in _rows(cu, bsz) or []:
+            r = [v for v in r if v >= 0]
+            out.append([b - a for a, b in zip(r[:-1], r[1:])])
+        return out
+
+    padded = per_row(place)
+    return (per_row(real_cu) if real_cu is not None else padded), padded
 
 
 def truth_documents(batch: Mapping[str, Any]) -> list[list[int]]:
@@ -43,6 +82,9 @@ def truth_documents(batch: Mapping[str, Any]) -> list[list[int]]:
     packed = _rows(batch.get("_packed_seq_ids"), bsz)
     lens = _rows(batch.get("seq_lens"), bsz)
     padded = _rows(batch.get("seq_lens_padded"), bsz)
+    cu = _lengths_from_cu(batch, bsz, seq)
+    if lens is None and cu is not None:
+        lens, padded = cu
     pos = _rows(batch.get("position_ids"), bsz)
     indexed = _rows(batch.get("attention_mask"), bsz)
     if indexed is not None and max(max(r) for r in indexed) <= 1:
