@@ -146,6 +146,16 @@ def shard_batch_thd(
     docs, segments = document_segments(batch, seq_lens_sentinel)
     bsz, seq = docs.ids.shape
     te_on = te_path_active(use_te, docs.ids.device)  # before any work: use_te=always may refuse
+    if te_on and int(segments.length.sum()) != int((~docs.pad).sum()):
+        # TE's kernel attends every token inside a document's cu_seqlens range, pad holes too;
+        # the cp-core transport masks them.
+        if use_te == "always":
+            raise CPBatchError(
+                "cp.use_te='always' but the batch has pad tokens inside a document (a hole in "
+                "attention_mask / padding_mask), which TransformerEngine's THD kernel would "
+                "attend; use cp.use_te=auto to serve such batches with the cp-core transport"
+            )
+        te_on = False
     core = {k: v for k, v in without_document_keys(batch, docs).items()
             if k not in BOUNDARY_KEYS and k not in METADATA_KEYS}
     nb = normalize_batch(core, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
