@@ -271,3 +271,21 @@ def test_te_path_sets_the_cp_group_on_dot_product_attention() -> None:
     assert find_te_attention_modules([model]) == [attn]
     with ctx(model):
         pass
+
+
+def test_a_pad_hole_never_reaches_the_te_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE's THD kernel attends every token of a document's cu_seqlens range: a batch with a
+    pad hole inside a document is refused under use_te=always (served by the cp-core
+    transport under auto)."""
+    import cp_te.sharder as te_sharder
+
+    monkeypatch.setattr(te_sharder, "te_path_active", lambda mode, device: True)
+    ids = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[0, 1] = 0  # a hole inside document 1
+    batch = {"input_ids": torch.arange(1, 9).view(1, 8), "_packed_seq_ids": ids,
+             "labels": torch.arange(8).view(1, 8).masked_fill(mask == 0, -100),
+             "attention_mask": mask}
+    with pytest.raises(CPBatchError, match="pad tokens inside a document"):
+        te_sharder.shard_batch_thd(None, None, batch, use_te="always")
+    te_sharder.shard_batch_thd(None, None, batch, use_te="auto")  # falls back, no error
