@@ -262,6 +262,11 @@ def solve(workloads: Sequence[float] | np.ndarray, cp: int, method: SolverName =
     # Small single-class instance above the target: exact pairwise repartitions.
     iters = 8 * n if max_iters is None else int(max_iters)
     best_key = _key(w, cp, best)
+    # The min-heap greedy fills a rank that holds one huge chunk with the smallest ones, which
+    # the one-chunk-per-row frame cannot: the better of the two starts the search.
+    greedy = _greedy(w, cp, None)
+    if _key(w, cp, greedy) < best_key:
+        best, best_key = greedy, _key(w, cp, greedy)
     for start in (best, balanced_differencing(w, cp)):
         cand = local_search(w, cp, start, target, iters)
         key = _key(w, cp, cand)
