@@ -228,6 +228,19 @@ class ConformanceSuite:
                     f"{ref_loss:.6f} (rel err {loss_err:.2e}); worst grad {name} {grad_err:.2e}"
                 )
 
+    @pytest.mark.multirank
+    def test_transports_agree_multirank(self, cp_rank_pool: RankPool) -> None:
+        """Real gloo, first parity size: the step under every installed attention transport the
+        backend accepts (``cp.transport``) equals CP=1, and p2p equals the all-gather
+        reference (a different kernel and communication) gradient for gradient."""
+        cp = self.parity_cp_sizes[0]
+        for rank, per in enumerate(cp_rank_pool.run(_rank_transports, self._ref(), cp)):
+            assert per, f"{self.backend}: no transport ran"
+            for name, (loss_err, (grad, grad_err)) in per.items():
+                assert loss_err <= self.rtol and grad_err <= self.rtol, (
+                    f"{self.backend} cp={cp} rank {rank} transport {name}: loss rel err "
+                    f"{loss_err:.2e}, worst grad {grad} {grad_err:.2e}")
+
 
 # -- rank-side functions (module level, run in the pool's processes) --------------------------
 
@@ -304,6 +317,30 @@ def _rank_parity(rank: int, world: int, ref: Any, cp: int) -> dict[int, Any]:
                                forward=suite.model_forward())
         report = compare_steps(result, reference)
         out[seed] = (report.loss_rel_err, report.worst_grad, result.loss, reference.loss)
+    return out
+
+
+def _rank_transports(rank: int, world: int, ref: Any, cp: int) -> dict[str, Any]:
+    from cp_core.attention.transports import available_transports
+    from cp_core.errors import CPConfigError
+
+    suite = _suite(ref)
+    group = cp_subgroup(cp)
+    batch = suite.make_batch(suite.seeds[0])
+    model = ReferenceDecoder(suite.model_config())
+    reference = reference_step(model, batch)
+    out, steps = {}, {}
+    for name in available_transports():
+        try:
+            sharder = build_sharder({**suite.backend_config(cp), "transport": name}, group)
+        except CPConfigError:
+            continue  # the backend refuses this transport by name (its config says why)
+        steps[name] = training_step(model, sharder, batch, forward=suite.model_forward())
+        report = compare_steps(steps[name], reference)
+        out[name] = (report.loss_rel_err, report.worst_grad)
+    if "p2p" in steps and "allgather" in steps:
+        report = compare_steps(steps["p2p"], steps["allgather"])
+        out["p2p-vs-allgather"] = (report.loss_rel_err, report.worst_grad)
     return out
 
 
