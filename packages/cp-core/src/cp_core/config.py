@@ -17,8 +17,9 @@ from cp_core.mesh import cp_size
 
 #: Largest CP size a config may ask for (a bound, so a typo such as 1e9 is refused at once).
 MAX_CP_SIZE = 1 << 16
-#: Smallest score-block budget (MiB): below it every block would be a few rows.
-MIN_BLOCK_BUDGET_MB = 1 / 16
+#: Smallest score-block budget (MiB): one byte (the transport then builds one row at a
+#: time; tests use budgets this small to force blocking), so 1e-30 is refused.
+MIN_BLOCK_BUDGET_MB = 2.0 ** -20
 
 
 def _takes_bool(annotation: Any) -> bool:
