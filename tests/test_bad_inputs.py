@@ -312,7 +312,8 @@ CASES: list[Case] = [
     Case("doc-ids-zero-based", ALL, "0-based `_packed_seq_ids` [0,0,0,0,1,...] with labels on "
          "document 0", CPBatchError, "batch['_packed_seq_ids'] marks token (row 0, position 0) as "
          "pad but batch['labels'] is not -100 there",
-         make_batch=with_keys(_packed_seq_ids=lambda: torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]] * B))),
+         make_batch=with_keys(
+             _packed_seq_ids=lambda: torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]] * B))),
     Case("doc-sources-disagree", ALL, "`_packed_seq_ids` of one document per row next to "
          "`position_ids` that restart", CPBatchError,
          "conflicting document boundaries: batch['_packed_seq_ids'] and batch['position_ids'] "
@@ -471,7 +472,8 @@ CASES: list[Case] = [
          CPConfigError, "attention='sliding_window' needs window=<tokens>",
          act=build_with(attention="sliding_window")),
     Case("config-budget-zero", ALL, "`cp.attn_block_budget_mb=1e-30` (below one byte)",
-         CPConfigError, "cp.attn_block_budget_mb: Input should be greater than or equal to 0.00000095367431640625",
+         CPConfigError,
+         "cp.attn_block_budget_mb: Input should be greater than or equal to 0.00000095367431640625",
          act=build_with(attn_block_budget_mb=1e-30)),
     Case("config-size-bool", ALL, "`cp.size=True` (a boolean, not a number)", CPConfigError,
          "cp.size=True is a boolean; it takes a number",

@@ -3,9 +3,10 @@
 Two rows of 16 tokens: row 0 holds documents of 5 and 6 tokens then 5 pad, row 1 documents of
 4, 3 and 7 tokens then 2 pad. Each form describes those documents with a different source
 (``_packed_seq_ids``, restarting ``position_ids``, ``seq_lens``, flat ``cu_seqlens``, a 4-D
-block mask, an indexed 2-D mask), with or without ``position_ids``, with a pad hole inside a document, or with a first
-document whose positions do not start at 0. Pad tokens carry label -100. Every backend must
-give the same loss and gradients on every form as :func:`cp_core.testing.truth.truth_step`.
+block mask, an indexed 2-D mask), with or without ``position_ids``, with a pad hole inside a
+document, or with a first document whose positions do not start at 0. Pad tokens carry label
+-100. Every backend must give the same loss and gradients on every form as
+:func:`cp_core.testing.truth.truth_step`.
 """
 
 from __future__ import annotations
