@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cp_core.errors import CPConfigError
 from cp_core.registry import build_sharder
 from cp_core.testing.forms import FORMS, VOCAB, packed_form
 from cp_core.testing.multirank import RankPool, load_module_file
@@ -72,6 +73,32 @@ def _check(results: dict[str, StepResult], form: str) -> None:
 @pytest.mark.parametrize("form", FORMS)
 def test_every_backend_matches_the_truth_at_cp1(form: str) -> None:
     _check({b: _step(b, 1, None, form) for b in installed(1)}, form)
+
+
+KINDS = {"sliding_window": {"attention": "sliding_window", "window": 3},
+         "chunked": {"attention": "chunked", "chunk": 4}}
+
+
+@pytest.mark.parametrize("form", ["packed_ids_with_positions", "pad_hole_in_document",
+                                  "restart_not_at_zero"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_windowed_kinds_match_the_truth_at_cp1(form: str, kind: str) -> None:
+    """Windows and chunks count from each document's first token, pad holes included, on
+    every backend that serves the kind (one that does not refuses it when built)."""
+    cfg = KINDS[kind]
+    results = {}
+    for backend in installed(1):
+        try:
+            sharder = build_sharder({"backend": backend, "size": 1, **cfg}, None)
+        except CPConfigError:
+            continue
+        forward = in_forward_slicing() if backend == "aux_only" else default_forward
+        results[backend] = training_step(_model(), sharder, packed_form(form), forward=forward)
+    loss, grads = truth_step(_model(), packed_form(form), window=cfg.get("window"),
+                             chunk=cfg.get("chunk"))
+    bad = {b: f"{_worst(r, loss, grads):.2e}" for b, r in results.items()
+           if _worst(r, loss, grads) > RTOL}
+    assert len(results) >= 4 and not bad, (form, kind, sorted(results), bad)
 
 
 def _rank_steps(rank: int, world: int, forms: tuple[str, ...]) -> dict[str, dict[str, Any]]:

@@ -123,8 +123,18 @@ def truth_documents(batch: Mapping[str, Any]) -> list[list[int]]:
     return docs
 
 
-def truth_mask(batch: Mapping[str, Any]) -> torch.Tensor:
-    """Bool ``[B, 1, S, S]``: query i may see key j (same document, both real, j <= i).
+def _sees(i: int, j: int, first: int, window: int | None, chunk: int | None) -> bool:
+    """Within one document starting at ``first``: a sliding window of ``window`` tokens, or
+    aligned chunks of ``chunk`` tokens counted from the document's first token."""
+    if window is not None and i - j >= window:
+        return False
+    return chunk is None or (i - first) // chunk == (j - first) // chunk
+
+
+def truth_mask(batch: Mapping[str, Any], window: int | None = None,
+               chunk: int | None = None) -> torch.Tensor:
+    """Bool ``[B, 1, S, S]``: query i may see key j (same document, both real, j <= i; within
+    ``window`` tokens, or the same ``chunk`` of the document, when given).
 
     Pad query rows see only themselves (their outputs are never read; this keeps SDPA finite).
     """
@@ -133,9 +143,13 @@ def truth_mask(batch: Mapping[str, Any]) -> torch.Tensor:
     bsz, seq = len(docs), len(docs[0])
     allowed = torch.zeros(bsz, 1, seq, seq, dtype=torch.bool)
     for b in range(bsz):
+        first: dict[int, int] = {}
+        for j, d in enumerate(docs[b]):
+            first.setdefault(d, j)
         for i in range(seq):
             for j in range(i + 1):
-                allowed[b, 0, i, j] = docs[b][i] != 0 and docs[b][i] == docs[b][j]
+                same = docs[b][i] != 0 and docs[b][i] == docs[b][j]
+                allowed[b, 0, i, j] = same and _sees(i, j, first[docs[b][i]], window, chunk)
     if isinstance(mask4, torch.Tensor) and mask4.dim() == 4:
         m = mask4.bool() if not mask4.is_floating_point() else (mask4 == 0 if bool(
             (mask4 < 0).any()) else mask4 != 0)
@@ -182,10 +196,12 @@ def explicit_mask_sdpa(mask: torch.Tensor) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
-def truth_step(model: nn.Module, batch: Mapping[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+def truth_step(model: nn.Module, batch: Mapping[str, Any], *, window: int | None = None,
+               chunk: int | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """``(loss, gradients)`` of the unsharded model on ``batch`` under the truth mask, the loss
     being the mean ``F.cross_entropy`` over the labels that are not -100 (a copy of ``model``
-    is used; the caller's gradients are untouched)."""
+    is used; the caller's gradients are untouched). ``window`` / ``chunk``: sliding-window
+    or chunked attention within each document."""
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     kwargs: dict[str, Any] = {"position_ids": truth_positions(batch)}
@@ -193,7 +209,7 @@ def truth_step(model: nn.Module, batch: Mapping[str, Any]) -> tuple[float, dict[
         kwargs["input_ids"] = batch["input_ids"]
     else:
         kwargs["inputs_embeds"] = batch["inputs_embeds"]
-    with explicit_mask_sdpa(truth_mask(batch)):
+    with explicit_mask_sdpa(truth_mask(batch, window, chunk)):
         logits = ref(**kwargs)
     labels = batch["labels"].long()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
