@@ -3,17 +3,16 @@ loss equals the loss of the same model without CP (HF sdpa, documents from posit
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_runs import readme_example, torchrun  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.multirank
@@ -22,20 +21,6 @@ pytestmark = pytest.mark.multirank
 # contiguous layout runs the same models in test_hf_cp_attention.py). te_thd and magi return
 # flat THD tensors, which Hugging Face models do not take yet.
 BACKENDS = ["round_robin", "blockdiag"]
-
-
-def _example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Attention: transports and Hugging Face models", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "the README lost its Hugging Face example"
-    return match.group(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _loss_without_cp() -> float:
@@ -65,14 +50,8 @@ def _loss_without_cp() -> float:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_readme_hf_step_matches_no_cp(tmp_path: Path, backend: str) -> None:
     script = tmp_path / "hf_step.py"
-    script.write_text(_example())
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(script),
-         backend],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
-    )
+    script.write_text(readme_example("## Attention: transports and Hugging Face models"))
+    proc = torchrun(script, 2, backend)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 1, proc.stdout

@@ -46,30 +46,20 @@ def _head_to_seq(y: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     return torch.cat(all_to_all_same_shape(parts, group), dim=1)
 
 
-class _SeqToHead(torch.autograd.Function):
-    """``[B, H, n, D]`` of local tokens -> ``[B, H/cp, cp*n, D]`` of this rank's heads."""
+class _SwapShards(torch.autograd.Function):
+    """Sequence-sharded ``[B, H, n, D]`` <-> head-sharded ``[B, H/cp, cp*n, D]``; the backward
+    of each direction is the other."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.size = group, size
-        return _seq_to_head(x, group, size)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        return _head_to_seq(grad.contiguous(), ctx.group, ctx.size), None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    """The inverse of :class:`_SeqToHead`."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, group: Any, size: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.size = group, size
-        return _head_to_seq(y, group, size)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int,  # type: ignore[override]
+                to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group, size)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        return _seq_to_head(grad.contiguous(), ctx.group, ctx.size), None, None
+        back = _head_to_seq if ctx.to_heads else _seq_to_head
+        return back(grad.contiguous(), ctx.group, ctx.size), None, None, None
 
 
 def _kv_heads_for_ranks(hq: int, hkv: int, size: int) -> int:
@@ -125,9 +115,9 @@ class UlyssesTransport:
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         group = plan.group
-        qh, kh, vh = (_SeqToHead.apply(t, group, size) for t in (q, k, v))
+        qh, kh, vh = (_SwapShards.apply(t, group, size, True) for t in (q, k, v))
         out = p2p_attention(qh, kh, vh, whole, scale)
-        return _HeadToSeq.apply(out, group, size)
+        return _SwapShards.apply(out, group, size, False)
 
 
 ulysses_sdpa = UlyssesTransport()

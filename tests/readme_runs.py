@@ -1,0 +1,39 @@
+"""Shared by the tests that run README examples under torchrun: extract one, run it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_example(heading: str) -> str:
+    """The first ```python block after ``heading`` in the README."""
+    text = (REPO / "README.md").read_text()
+    section = text.split(heading, 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, f"the README lost its example under {heading!r}"
+    return match.group(1)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for the c10d rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(script: Path, nproc: int, *args: str, timeout: int = 240
+             ) -> subprocess.CompletedProcess:
+    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` local gloo ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script), *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=script.parent,
+    )
