@@ -31,7 +31,8 @@ from host_batch import build_from_spec, clone_batch
 from report import make_result, time_median
 
 CP = 8
-COLUMNS = ["backend", "shape", "ms", "vs_megatron", "vs_nemo_rr", "vs_nemo_contig", "same_as_peer"]
+COLUMNS = ["backend", "shape", "ms", "verify_ms", "vs_megatron", "vs_nemo_rr", "vs_nemo_contig",
+           "same_as_peer"]
 
 #: Which peer case implements the same layout as one of our backends (for the fingerprint
 #: check and the like-for-like ratio).
@@ -68,6 +69,13 @@ def time_ours(name: str, batch: dict[str, torch.Tensor], repeats: int, warmup: i
 
     timing = time_median(run, repeats=repeats, warmup=warmup, setup=lambda: clone_batch(batch))
     timing["input_ids"] = _fingerprint(holder["out"]["input_ids"])
+    # verify_layout (on by default) adds, per shard, this host summary of the batch and the
+    # layout plus one all-gather of VECTOR_LEN int64 (not timed: a simulated mesh).
+    from cp_core.verify import local_vector
+
+    layout = sharder.shard_layout
+    timing["verify"] = time_median(lambda: local_vector(0, batch, layout), repeats=repeats,
+                                   warmup=warmup)
     return timing
 
 
@@ -136,7 +144,7 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
                 rows.append({"backend": n, "shape": shape, "error": t["error"]})
                 continue
             row: dict[str, Any] = {"backend": n, "shape": shape, "ms": 1e3 * t["median_s"],
-                                   "timing": t}
+                                   "verify_ms": 1e3 * t["verify"]["median_s"], "timing": t}
             same = []
             for case, col in (("megatron_head_tail", "vs_megatron"),
                               ("nemo_round_robin", "vs_nemo_rr"),
@@ -159,7 +167,9 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
     if peers and not peer_t:
         notes.append("no peer could be timed (see the notes above)")
     notes.append("ms = median of the shard call + entering/leaving its context, rank 0 of "
-                 f"cp={CP}, one thread; vs_* = ours / peer (< 1: ours faster); same_as_peer: "
+                 f"cp={CP}, one thread; verify_ms = the host part verify_layout adds to every "
+                 "shard (batch and layout fingerprints; one all-gather of 88 bytes per rank "
+                 "on top); vs_* = ours / peer (< 1: ours faster); same_as_peer: "
                  "rank 0's input_ids shard is identical to the peer of the same layout")
     settings = {"cp": CP, "rank": 0, "shapes": shapes, "repeats": repeats, "warmup": warmup,
                 "seed": seed, "peers": peers, "peer_info": peer_info, "quick": quick,
