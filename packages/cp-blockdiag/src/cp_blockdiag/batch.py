@@ -36,7 +36,7 @@ from cp_core.documents import (
     resolve_documents,
     without_document_keys,
 )
-from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.errors import CPConfigError
 from cp_core.framework import make_plan, shard_normalized
 from cp_core.layout import ShardLayout, contiguous_local_indices
 from cp_core.mesh import cp_rank, cp_size
