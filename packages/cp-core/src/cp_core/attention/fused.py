@@ -62,26 +62,40 @@ def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class CUDAEfficientKernel:
-    """PyTorch's memory-efficient SDPA op on CUDA (its LSE is padded to 32 rows: sliced)."""
+    """PyTorch's memory-efficient SDPA op on CUDA.
+
+    Some releases return the LSE padded to a multiple of 32 rows: it is sliced for the merge
+    and padded back the same way for the backward (whichever the forward showed).
+    """
+
+    def __init__(self) -> None:
+        self.pads_lse = False
+
+    @staticmethod
+    def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        return mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
 
     def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
         """See :class:`PieceKernel`."""
         g = q.shape[1] // k.shape[1]
-        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, _repeat_kv(k, g), _repeat_kv(v, g), bias, True, 0.0, causal, scale=scale)
+            q, _repeat_kv(k, g), _repeat_kv(v, g), self._bias(mask, q), True, 0.0, causal,
+            scale=scale)
+        self.pads_lse = self.pads_lse or lse.shape[-1] > q.shape[2]
         return out, lse[..., : q.shape[2]]
 
     def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
         """See :class:`PieceKernel`."""
         g = q.shape[1] // k.shape[1]
-        pad = (-q.shape[2]) % 32
+        pad = (-q.shape[2]) % 32 if self.pads_lse else 0
         lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out.contiguous(), q, _repeat_kv(k, g), _repeat_kv(v, g), bias, out,
-            lse_p.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+            grad_out.contiguous(), q, _repeat_kv(k, g), _repeat_kv(v, g), self._bias(mask, q),
+            out, lse_p.contiguous(), zero, zero, 0.0, [True, True, True, False], causal,
+            scale=scale)
         if g > 1:
             b, h, n, d = dk.shape
             dk = dk.view(b, h // g, g, n, d).sum(2)
@@ -151,10 +165,15 @@ def band_mask(nq: int, nk: int, dlo: int, dhi: int, dtype: torch.dtype, device: 
 
     Cached: the tiles of one window share a handful of shapes. Read-only.
     """
-    d = (torch.arange(nk, device=device).view(1, nk) - torch.arange(nq, device=device).view(nq, 1))
+    # CUDA's memory-efficient kernel wants the bias rows 16-element aligned: allocate the
+    # rows padded and hand out the [nq, nk] view (its row stride stays aligned).
+    width = nk + (-nk) % 16 if device.type == "cuda" else nk
+    d = (torch.arange(width, device=device).view(1, width)
+         - torch.arange(nq, device=device).view(nq, 1))
     ok = (d >= dlo) & (d <= dhi)
     zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(ok, zero, torch.full((), -math.inf, dtype=dtype, device=device))
+    full = torch.where(ok, zero, torch.full((), -math.inf, dtype=dtype, device=device))
+    return full[:, :nk]
 
 
 def _rows(t: torch.Tensor, p: Piece) -> torch.Tensor:
