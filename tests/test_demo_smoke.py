@@ -48,6 +48,11 @@ def test_demo_multirun_two_backends_two_ranks(tmp_path: Path) -> None:
         saved = json.loads((sweep / job / "cp_demo.json").read_text())
         assert saved["backend"] == backend and saved["cp_size"] == 2 and len(saved["losses"]) == 2
         assert "matches the CP=1 loss" in (sweep / job / "cp_demo.log").read_text()
+    # The sweep ends with one table of both jobs, saved in the sweep directory.
+    table = (sweep / "comparison.txt").read_text()
+    assert out.count("cp-demo comparison") == 1 and "cp-demo comparison" in table
+    assert [ln.split()[:2] for ln in table.strip().splitlines()[3:]] == [["round_robin", "2"],
+                                                                        ["magi", "2"]]
 
 
 @pytest.mark.multirank

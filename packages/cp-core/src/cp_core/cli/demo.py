@@ -122,8 +122,32 @@ def _task(cfg: Any) -> None:
     else:
         summary = launch(with_app_cp_size(cp), demo)
     _log.info(summary["report"])
-    out = Path(HydraConfig.get().runtime.output_dir, "cp_demo.json")
-    out.write_text(json.dumps({k: v for k, v in summary.items() if k != "report"}, indent=2))
+    hc = HydraConfig.get()
+    numbers = {k: v for k, v in summary.items() if k != "report"}
+    Path(hc.runtime.output_dir, "cp_demo.json").write_text(json.dumps(numbers, indent=2))
+    _RESULTS.append(numbers)
+    _SWEEP_DIR[:] = [str(hc.sweep.dir)]
+
+
+#: Summaries of this process's jobs and the sweep directory, for the table ending a multirun.
+_RESULTS: list[dict[str, Any]] = []
+_SWEEP_DIR: list[str] = []
+
+
+def format_comparison(results: Sequence[Mapping[str, Any]]) -> str:
+    """One table comparing the jobs of a multirun: loss agreement, balance and step time."""
+    head = (f"{'backend':<14} {'cp':>3} {'last cp loss':>13} {'worst rel diff':>15} "
+            f"{'work max/mean':>14} {'step ms (max)':>14}")
+    lines = ["cp-demo comparison", head, "-" * len(head)]
+    for res in results:
+        works = [r["work"] for r in res["ranks"]]
+        balance = (f"{max(works) / (sum(works) / len(works)):.4f}"
+                   if all(w is not None for w in works) and sum(works) else "n/a")
+        last = res["losses"][-1]["cp"] if res["losses"] else float("nan")
+        step = max(r["step_ms"] for r in res["ranks"])
+        lines.append(f"{res['backend']:<14} {res['cp_size']:>3} {last:>13.6f} "
+                     f"{res['worst_relative_difference']:>15.2e} {balance:>14} {step:>14.1f}")
+    return "\n".join(lines)
 
 
 class _Progress:
@@ -298,12 +322,24 @@ def _report(stats: list[RankStats], worst_rel: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point of ``cp-demo`` (and ``tools/demo.py``); returns the exit code."""
-    return run_app(SPEC, _task, list(sys.argv[1:] if argv is None else argv))
+    """Console entry point of ``cp-demo`` (and ``tools/demo.py``); returns the exit code.
+    A multirun ends with one comparison table, also saved as ``comparison.txt`` in the sweep
+    directory."""
+    _RESULTS.clear()
+    _SWEEP_DIR.clear()
+    code = run_app(SPEC, _task, list(sys.argv[1:] if argv is None else argv))
+    if len(_RESULTS) > 1 and _SWEEP_DIR:
+        table = format_comparison(_RESULTS)
+        saved = Path(_SWEEP_DIR[0], "comparison.txt")
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(table + "\n")
+        print(f"\n{table}\n(saved to {saved})", flush=True)
+    return code
 
 
 if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["DemoConfig", "DEMO_DEFAULTS", "SPEC", "launch", "run_rank", "main"]
+__all__ = ["DemoConfig", "DEMO_DEFAULTS", "SPEC", "launch", "run_rank", "format_comparison",
+           "main"]
