@@ -51,7 +51,7 @@ def ownership_image(plan: LayoutPlan, colours: np.ndarray, bins: int,
 
     Each column is a bin of consecutive stream slots; its ``cells`` vertical cells are shared
     among the (rank, pad or not) classes of the bin's slots in proportion to their counts, so
-    a layout that deals tokens finer than a pixel (striped, interleaved) shows as evenly mixed
+    a layout that deals tokens finer than a pixel (token i on rank i mod cp) shows as evenly mixed
     colours instead of aliasing noise. At one slot per column this is the exact ownership.
     """
     owner = plan.owner.numpy()
