@@ -1,4 +1,6 @@
-"""The ``p2p`` transport's SDPA entry: checks the call, then runs :mod:`cp_core.attention.p2p`.
+"""The ``p2p`` transport (the default): needed-only K/V peer by peer, fused kernel pieces.
+
+This is its SDPA entry: it checks the call, then runs :mod:`cp_core.attention.p2p`.
 
 Plans whose mask cannot describe itself as band rectangles (a plugin's own ``TokenMask``
 without ``attention_rects``) are served by the ``allgather`` reference transport instead, with
@@ -15,6 +17,7 @@ import torch
 from cp_core.attention.p2p import p2p_attention, schedule_for
 from cp_core.attention.plan import AttentionPlan
 from cp_core.attention.transport import allgather_sdpa, check_local_shapes, resolve_causal
+from cp_core.errors import CPAttentionError
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +26,13 @@ class P2PTransport:
     """``transport(q, k, v, plan, **sdpa_kwargs)`` with a ``prepare(plan)`` hook."""
 
     name = "p2p"
+
+    @staticmethod
+    def check_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        """Any GQA grouping is served (heads are never split over ranks)."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise CPAttentionError(
+                f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
 
     def prepare(self, plan: AttentionPlan) -> None:
         """Build the plan's schedule now (host work before the forward, once per shard)."""

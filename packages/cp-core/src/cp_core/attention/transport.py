@@ -1,19 +1,22 @@
-"""The default CP attention transport: all-gather K/V, mask by global token indices.
+"""The ``allgather`` reference transport: every rank's K/V, the blocked kernel.
+
+This module also holds the checks every transport shares (:func:`resolve_causal`,
+:func:`check_local_shapes`).
 
 Every rank gathers the keys and values of every CP rank (one collective for both, whose
 backward sums each rank's K/V gradient contributions back to the owner), names the gathered
 rows by the layout's global indices, and runs :func:`blocked_attention` on its local queries
 with the plan's mask. It serves every layout, on any device.
 
-The SDPA call says which attention the model wants; the transport serves it only when it
-agrees with the sharder's configured kind (issue 10, item 3):
+The SDPA call says which attention the model wants; every transport serves it only when it
+agrees with the sharder's configured kind (:func:`resolve_causal`):
 
 * ``is_causal=True`` → the plan's mask (causal, sliding window or chunked are all causal
   based, per document when packed); refused when the plan is bidirectional.
 * no mask, ``is_causal=False`` → bidirectional; served only when the plan is bidirectional.
 * an explicit ``attn_mask`` → accepted only when it is exactly the plain causal mask over the
-  local length (what Hugging Face builds from local cache positions), then treated like
-  ``is_causal=True``. Any other mask raises: the transport builds masks from global
+  local length (what Hugging Face builds from local cache positions), or its local
+  sliding-window mask of the configured ``cp.window``, then treated like ``is_causal=True``. Any other mask raises: the transport builds masks from global
   positions and would otherwise drop the caller's mask silently.
 * ``dropout_p > 0`` raises.
 """

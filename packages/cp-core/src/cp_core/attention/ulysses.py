@@ -93,6 +93,15 @@ class UlyssesTransport:
 
     name = "ulysses"
 
+    @staticmethod
+    def check_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        """Raise :class:`CPAttentionError` for head counts that do not split over ``cp_size``
+        ranks (``cp-plan --explain`` asks this)."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise CPAttentionError(
+                f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
+        _kv_heads_for_ranks(num_heads, num_kv_heads, cp_size)
+
     def prepare(self, plan: AttentionPlan) -> None:
         """Build the whole-sequence schedule now, before the forward."""
         if schedule_for(_global_plan(plan)) is None:
