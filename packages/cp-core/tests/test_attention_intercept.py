@@ -224,6 +224,6 @@ def test_dropout_heads_and_length_errors():
                                            is_causal=True, enable_gqa=True)
     # An unknown transport is refused when the context is entered, before any model code runs.
     with pytest.raises(CPAttentionError, match=r"unknown attention transport cp.transport='nope'"
-                                               r".*\['allgather', 'p2p'\]"):
+                                               r".*'allgather', 'p2p', 'ulysses'"):
         with activate_plan(_plan(**{"transport": None, "impl": "nope"})):
             pass

@@ -106,11 +106,18 @@ def test_document_mask_is_built_on_first_read(backend: str) -> None:
     batch = {"input_ids": torch.arange(10).view(1, 10),
              "labels": torch.arange(10).view(1, 10).masked_fill(ids == 0, -100),
              "_packed_seq_ids": ids}
-    s = build_sharder({"backend": backend, "size": 2}, SimulatedCPMesh(1, 2))
+    # The all-gather transport reads the mask only in attention; p2p plans its pieces when
+    # the context is entered (before the forward), so there the mask is built on entry.
+    s = build_sharder({"backend": backend, "size": 2, "transport": "allgather"},
+                      SimulatedCPMesh(1, 2))
     ctx, _ = s.shard(batch)
     with ctx():
         mask = active_plan().mask
     assert isinstance(mask, DocumentMask) and mask._ids is None  # nothing built yet
+    p2p = build_sharder({"backend": backend, "size": 2}, SimulatedCPMesh(1, 2))
+    ctx, _ = p2p.shard(batch)
+    with ctx():
+        assert active_plan().mask._ids is not None
     eager = DocumentMask(mask.doc_ids, mask.doc_pos, mask.kind)
     assert mask._ids is not None
     q = torch.arange(mask.doc_ids.shape[1])
