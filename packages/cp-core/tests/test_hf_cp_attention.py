@@ -71,7 +71,8 @@ def _truth(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, 
 
 
 def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str = "cp",
-          config: dict[str, Any] | None = None) -> dict[str, Any] | None:
+          config: dict[str, Any] | None = None, docs_from: str = "positions"
+          ) -> dict[str, Any] | None:
     import cp_core.hf  # noqa: F401  (registers "cp")
     from cp_core.grads import allreduce_gradients
     from cp_core.loss import cp_cross_entropy
@@ -81,7 +82,8 @@ def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str =
     if group is None:
         return None
     batch = make_packed_batch(DOCS, vocab=64, seed=5, pad_to=SEQ)
-    batch = {k: v for k, v in batch.items() if k != "_packed_seq_ids"}  # documents from positions
+    if docs_from == "positions":  # documents from restarting position_ids alone
+        batch = {k: v for k, v in batch.items() if k != "_packed_seq_ids"}
     model = _model(arch, impl)
     sharder = build_sharder({"backend": backend, "size": size, **(config or {})}, group)
     ctx, local = sharder.shard(batch)
@@ -123,6 +125,13 @@ CASES = [(a, "round_robin", 2) for a in ARCHS] + [
 def test_cp_attention_matches_documents_alone(pool: RankPool, arch: str, backend: str,
                                               size: int) -> None:
     for res in pool.run(_case, arch, backend, size)[:size]:
+        assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
+
+
+@pytest.mark.multirank
+def test_documents_from_packed_seq_ids(pool: RankPool) -> None:
+    """The same with documents given by ``_packed_seq_ids`` (positions still restart)."""
+    for res in pool.run(_case, "gemma3", "round_robin", 2, "cp", None, "ids")[:2]:
         assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
 
 
