@@ -109,7 +109,7 @@ def test_transport_fields(results: dict[str, dict]) -> None:
         # the allowed pairs, and at most two peers' needed K/V are held at once.
         assert 1.0 <= r["area_vs_pairs"] <= 1.3, r
         assert r["held_vs_local"] <= 2.0, r
-        assert r["recv_max_mb"] >= r["recv_mean_mb"] > 0, r
+        assert r["recv_max_mb"] >= r["recv_mean_mb"] >= 0, r
     for r in rows:
         assert r["t_ms"] > 0 and r["saved_vs_cp1"] > 0, r
 
