@@ -146,19 +146,15 @@ def test_explain_lists_backends_and_what_is_legal(capsys: pytest.CaptureFixture[
     assert "identity (cp-core" in out and "refuses: " in out  # identity cannot run at cp=4
     assert "round_robin (cp-core" in out and "legal: rows [1, 250] per rank" in out
     assert "heads=8 kv_heads=2: legal" in out
-    # A transport that declares a head rule is asked; the others are not claimed legal.
-    from cp_core.attention.transports import get_transport
-    from cp_core.errors import CPAttentionError
-
-    def check_heads(heads: int, kv_heads: int, size: int) -> None:
-        if heads % size:
-            raise CPAttentionError(f"{heads} heads do not split over cp={size}")
-
-    monkeypatch.setattr(get_transport("allgather"), "check_heads", check_heads, raising=False)
+    # A transport that declares a head rule is asked (ulysses splits heads over the ranks,
+    # p2p never does); one without a rule (allgather) is not claimed legal.
     assert plan_cli.main(["--explain", "cp.size=4", "heads=6", "kv_heads=2"]) == 0
-    out = capsys.readouterr().out
-    assert "heads: refuses: 6 heads do not split over cp=4" in out
-    assert "heads: no rule declared" in out
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("  ") and line.split()[0] in ("allgather", "p2p", "ulysses")}
+    assert "heads: refuses: " in lines["ulysses"] and "6 query heads do not divide by cp=4" \
+        in lines["ulysses"], lines
+    assert "heads=6/2 at cp.size=4: legal" in lines["p2p"], lines
+    assert "heads: no rule declared" in lines["allgather"], lines
     assert plan_cli.main(["--explain", "cp.sise=4"]) == 2
     assert "got 'cp.sise=4'" in capsys.readouterr().err
 
