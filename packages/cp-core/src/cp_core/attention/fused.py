@@ -48,11 +48,15 @@ class PieceKernel(Protocol):
 class CPUFlashKernel:
     """PyTorch's fused CPU flash-attention forward and backward ops."""
 
-    def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
         return _CPU_FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
-    def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 mask: torch.Tensor | None, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
         return _CPU_BWD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
@@ -77,7 +81,8 @@ class CUDAEfficientKernel:
             return None
         return mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
 
-    def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
         g = q.shape[1] // k.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -86,7 +91,10 @@ class CUDAEfficientKernel:
         self.pads_lse = self.pads_lse or lse.shape[-1] > q.shape[2]
         return out, lse[..., : q.shape[2]]
 
-    def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 mask: torch.Tensor | None, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
         g = q.shape[1] // k.shape[1]
         pad = (-q.shape[2]) % 32 if self.pads_lse else 0
@@ -107,7 +115,8 @@ class MathKernel:
     """Plain-torch attention with explicit scores: the reference the fused kernels match."""
 
     @staticmethod
-    def _scores(q, k, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.dtype]:
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, hq, nq, d = q.shape
         hkv = k.shape[1]
@@ -120,7 +129,8 @@ class MathKernel:
             s = s + mask.to(cdt)
         return s, cdt
 
-    def forward(self, q, k, v, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
         s, cdt = self._scores(q, k, causal, mask, scale)
         lse = torch.logsumexp(s, -1)
@@ -130,7 +140,10 @@ class MathKernel:
         out = (p.view(b, hkv, -1, nk) @ v.to(cdt)).view(b, hq, nq, -1)
         return out.to(q.dtype), lse
 
-    def backward(self, grad_out, q, k, v, out, lse, causal, mask, scale):  # type: ignore[no-untyped-def]
+    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 mask: torch.Tensor | None, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
         s, cdt = self._scores(q, k, causal, mask, scale)
         b, hq, nq, nk = s.shape
