@@ -73,7 +73,7 @@ def _truth(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, 
 def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str = "cp",
           config: dict[str, Any] | None = None, docs_from: str = "positions"
           ) -> dict[str, Any] | None:
-    import cp_core.hf  # noqa: F401  (registers "cp")
+    import cp_core.hf  # registers "cp"
     from cp_core.grads import allreduce_gradients
     from cp_core.loss import cp_cross_entropy
     from cp_core.registry import build_sharder
@@ -87,6 +87,7 @@ def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str =
     model = _model(arch, impl)
     sharder = build_sharder({"backend": backend, "size": size, **(config or {})}, group)
     ctx, local = sharder.shard(batch)
+    local = cp_core.hf.model_rows(local, sharder.shard_layout)  # [1, T] rows for flat layouts
     # Plain sdpa needs the all-ones mask (HF would otherwise infer documents from the local,
     # permuted positions); "cp" needs nothing.
     extra = {"attention_mask": torch.ones_like(local["input_ids"])} if impl == "sdpa" else {}
@@ -117,14 +118,21 @@ def pool() -> Iterator[RankPool]:
 # contiguous layout.
 CASES = [(a, "round_robin", 2) for a in ARCHS] + [
     ("gemma3", "round_robin", 4), ("gemma3", "contiguous", 4), ("mistral", "contiguous", 4),
-    ("qwen2", "contiguous", 2)]
+    ("qwen2", "contiguous", 2),
+    # Flat-stream layouts through cp_core.hf.model_rows (a [1, T_local] row each).
+    ("llama", "te_thd", 2), ("gemma3", "te_thd", 4), ("qwen2", "magi", 2),
+    ("mistral", "magi", 4)]
+# magi's mask is its own rectangles, not documents: per-layer kinds cannot be derived from it,
+# so a windowed model tells the sharder its one window (and a layer that differs is refused).
+CONFIG = {"magi": {"mistral": {"attention": "sliding_window", "window": 6}}}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("arch,backend,size", CASES)
 def test_cp_attention_matches_documents_alone(pool: RankPool, arch: str, backend: str,
                                               size: int) -> None:
-    for res in pool.run(_case, arch, backend, size)[:size]:
+    cfg = CONFIG.get(backend, {}).get(arch)
+    for res in pool.run(_case, arch, backend, size, "cp", cfg)[:size]:
         assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
 
 
@@ -155,6 +163,15 @@ def test_outside_a_context_cp_is_sdpa() -> None:
         got = _model(arch, "cp")(input_ids=ids, attention_mask=mask).logits
         want = _model(arch, "sdpa")(input_ids=ids, attention_mask=mask).logits
         assert torch.equal(got, want), arch
+
+
+@pytest.mark.multirank
+def test_magi_refuses_a_layer_kind_its_mask_cannot_give(pool: RankPool) -> None:
+    from cp_core.errors import CPAttentionError
+
+    with pytest.raises(Exception, match="serves only cp.attention='causal'"):
+        pool.run(_case, "mistral", "magi", 2)
+    assert issubclass(CPAttentionError, NotImplementedError)
 
 
 def test_refusals_name_the_setting() -> None:

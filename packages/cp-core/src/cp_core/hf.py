@@ -18,13 +18,14 @@ transformers stays optional (extra ``cp-core[hf]``); nothing else in cp_core imp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from cp_core.attention.intercept import active_plan, serve_call
 from cp_core.attention.kinds import call_kind, plan_for_kind
 from cp_core.errors import CPAttentionError
+from cp_core.layout import ShardLayout
 
 try:
     from transformers import AttentionInterface
@@ -81,6 +82,31 @@ def cp_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(*args, **kwargs)
 
 
+def model_rows(local: Mapping[str, Any], layout: ShardLayout | None) -> dict[str, Any]:
+    """The local batch as Hugging Face models take it: ``[B, S]`` rows for every layout.
+
+    Flat-stream layouts (te_thd's THD order, magi's dispatch; their layout has an
+    ``input_row_shape``) return ``[T_local]`` token tensors; here each becomes one row
+    ``[1, T_local]`` (per-token trailing dims kept). Row layouts pass through unchanged, so a
+    training loop that calls ``model(**model_rows(local, sharder.shard_layout))`` works the
+    same under every backend. Boundary tensors such as ``cu_seqlens`` are not token tensors and
+    are dropped: the sharder's context already holds the documents.
+    """
+    if layout is None or layout.input_row_shape is None:
+        return dict(local)
+    n = layout.local_token_global_indices.numel() if layout.local_token_global_indices \
+        is not None else None
+    out: dict[str, Any] = {}
+    for key, value in local.items():
+        if key.startswith("cu_seqlens") or key.startswith("max_seqlen"):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == n:
+            out[key] = value.unsqueeze(0)
+        else:
+            out[key] = value
+    return out
+
+
 def register() -> None:
     """Register ``"cp"`` with transformers (done on import; idempotent)."""
     AttentionInterface.register(NAME, cp_attention_forward)
@@ -89,4 +115,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["NAME", "cp_attention_forward", "cp_mask", "register"]
+__all__ = ["NAME", "cp_attention_forward", "cp_mask", "model_rows", "register"]

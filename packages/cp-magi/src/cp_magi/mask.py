@@ -249,13 +249,20 @@ class RectangleTokenMask:
     rects: AttnRectangles
     lo: torch.Tensor
     hi: torch.Tensor
+    window: int | None = None
+    """The sliding window the rectangles were built with (None: none, or not known)."""
+    chunk: int | None = None
+    """The chunk of chunked attention the rectangles were built with (None: none/unknown)."""
 
     @classmethod
-    def from_rectangles(cls, rects: AttnRectangles,
-                        device: torch.device | str | None = None) -> "RectangleTokenMask":
-        """Precompute the interval table of ``rects`` on ``device``."""
+    def from_rectangles(cls, rects: AttnRectangles, device: torch.device | str | None = None,
+                        window: int | None = None, chunk: int | None = None
+                        ) -> "RectangleTokenMask":
+        """Precompute the interval table of ``rects`` on ``device``; ``window`` / ``chunk``
+        record the kind they were built for, so a model call can be checked against it."""
         lo, hi = rects.interval_table()
-        return cls(rects, torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device))
+        return cls(rects, torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device),
+                   window, chunk)
 
     def block(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """Bool ``[1, len(q_index), len(k_index)]``: True where the query sees the key."""

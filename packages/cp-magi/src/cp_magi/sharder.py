@@ -209,7 +209,11 @@ def shard_batch_magi(
         rank_global_indices=ranks, pad_multiple=size * csize, cp_rank=rank, cp_size=size,
         extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},
     )
-    token_mask: Any = RectangleTokenMask.from_rectangles(rect_mask, device)
+    # Built from documents, the rectangles are exactly cp.attention's kind: say so (a caller's
+    # own rectangles are of no known kind).
+    token_mask: Any = RectangleTokenMask.from_rectangles(
+        rect_mask, device, window=window if rects is None and attention == "sliding_window"
+        else None, chunk=chunk if rects is None and attention == "chunked" else None)
     if rects is None and _has_holes(docs):
         # Rectangles span a document's pad holes: pad keys are removed on top (cp-core's
         # rule: one document, holes never attended). Without holes the rectangles are exact
