@@ -209,3 +209,44 @@ def test_forward_and_backward_never_read_tensor_values():
     assert torch.allclose(out.double(), truth, atol=1e-5)
     for got, want in zip((q.grad, k.grad, v.grad), leaves):
         assert torch.allclose(got.double(), want.grad, atol=1e-5)
+
+
+def test_real_keys_only_removes_exactly_the_pad_keys():
+    from cp_core.attention.rects import real_keys_only
+
+    rng = random.Random(9)
+    for _ in range(30):
+        seq = rng.randint(4, 30)
+        ids, _ = _random_ids(rng, 1, seq)
+        kind = rng.choice(["causal", "sliding_window", "bidirectional"])
+        rects = document_rects(ids, kind, 4)
+        real = torch.rand(seq, generator=torch.Generator().manual_seed(seq)) > 0.3
+        cut = real_keys_only(rects, real)
+        pos = _positions(ids)
+        idx = list(range(seq))
+        want = ref.explicit_mask(ids, pos, kind, idx, idx, 4)[0] & real.view(1, -1)
+        got = torch.zeros(seq, seq, dtype=torch.bool)
+        for _, qs, qe, ks, ke, dlo, dhi in cut.rows.tolist():
+            for q in range(qs, qe):
+                for k in range(ks, ke):
+                    if dlo <= k - q <= dhi:
+                        assert not got[q, k], "a pair covered twice"
+                        got[q, k] = True
+        assert torch.equal(got, want)
+
+
+def test_magi_with_a_pad_hole_is_planned_by_p2p():
+    pytest.importorskip("cp_magi")
+    from cp_core.attention.intercept import active_plan
+    from cp_core.attention.p2p import schedule_for
+    from cp_core.mesh import SimulatedCPMesh
+    from cp_core.registry import build_sharder
+
+    ids = torch.tensor([[1, 1, 1, 0, 1, 1, 2, 2, 2, 2, 2, 0]])
+    labels = torch.arange(12).view(1, 12).masked_fill(ids == 0, -100)
+    batch = {"input_ids": torch.arange(12).view(1, 12), "labels": labels,
+             "_packed_seq_ids": ids}
+    sharder = build_sharder({"backend": "magi", "size": 2}, SimulatedCPMesh(0, 2))
+    ctx, _ = sharder.shard(batch)
+    with ctx():
+        assert schedule_for(active_plan()) is not None  # not the all-gather fallback

@@ -55,5 +55,21 @@ class RealKeyMask:
         keys = self.real.to(k_index.device).index_select(0, k_index)
         return allowed & keys.view(1, 1, -1)
 
+    @property
+    def window(self) -> int | None:
+        """The inner mask's window (the kind is unchanged by removing pad keys)."""
+        return getattr(self.inner, "window", None)
+
+    @property
+    def chunk(self) -> int | None:
+        """The inner mask's chunk."""
+        return getattr(self.inner, "chunk", None)
+
+    def attention_rects(self) -> "BandRects":
+        """The inner rectangles with the pad keys cut out (the runtime's plan input)."""
+        from cp_core.attention.rects import real_keys_only
+
+        return real_keys_only(self.inner.attention_rects(), self.real)  # type: ignore[attr-defined]
+
 
 __all__ = ["stream_spans", "span_rows", "RealKeyMask"]

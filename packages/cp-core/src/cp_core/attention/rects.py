@@ -20,6 +20,7 @@ O(documents + pad holes).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -152,4 +153,25 @@ def document_rects(doc_ids: torch.Tensor, kind: str, window: int | None = None,
     return BandRects(arr, 1 if (bsz == 1 or shared) else bsz)
 
 
-__all__ = ["INF", "BandRects", "RectangleMask", "band_area", "document_rects"]
+def real_keys_only(rects: BandRects, real: torch.Tensor) -> BandRects:
+    """``rects`` with every key where ``real [S]`` is False removed (a rectangle's key range
+    is cut at the pad runs inside it; the band bounds stay, as they are in global positions).
+    """
+    keep = real.detach().to("cpu", torch.bool).numpy()
+    change = np.flatnonzero(keep[1:] != keep[:-1]) + 1
+    starts = np.concatenate(([0], change))
+    ends = np.concatenate((change, [keep.size]))
+    runs = [(int(a), int(b)) for a, b in zip(starts, ends) if keep[a]]
+    out: list[tuple[int, ...]] = []
+    run_starts = [a for a, _ in runs]
+    for b, qs, qe, ks, ke, dlo, dhi in rects.rows.tolist():
+        i = max(0, bisect.bisect_right(run_starts, ks) - 1)
+        while i < len(runs) and runs[i][0] < ke:
+            a, e = max(ks, runs[i][0]), min(ke, runs[i][1])
+            if a < e:
+                out.append((b, qs, qe, a, e, dlo, dhi))
+            i += 1
+    return BandRects(np.asarray(out, dtype=np.int64).reshape(-1, 7), rects.batch)
+
+
+__all__ = ["INF", "BandRects", "RectangleMask", "band_area", "document_rects", "real_keys_only"]
