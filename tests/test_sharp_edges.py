@@ -28,26 +28,6 @@ def _needs(backend: str) -> None:
         pytest.skip(f"{backend} does not load")
 
 
-def _shard_all(backend: str, cp: int, batch: dict[str, Any]) -> tuple[list[Any], list[dict]]:
-    layouts, outs = [], []
-    for r in range(cp):
-        s = build_sharder({"backend": backend, "size": cp}, SimulatedCPMesh(r, cp))
-        _, out = s.shard(batch)
-        layouts.append(s.shard_layout)
-        outs.append(out)
-    return layouts, outs
-
-
-def _caller_view(layouts: list[Any], pieces: list[torch.Tensor], seq: int) -> torch.Tensor:
-    """Every rank's local ``[..., n]`` written at its global indices, read as ``[B, S]``."""
-    full = torch.full((*pieces[0].shape[:-1], layouts[0].padded_seq_len), -1,
-                      dtype=pieces[0].dtype)
-    for lay, piece in zip(layouts, pieces):
-        full[..., lay.local_token_global_indices] = piece
-    positions = layouts[0].input_token_stream_positions
-    return full[..., :seq] if positions is None else full[..., positions]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_absent_positions_are_each_rows_arange_on_every_backend(backend: str) -> None:
     _needs(backend)
@@ -55,8 +35,8 @@ def test_absent_positions_are_each_rows_arange_on_every_backend(backend: str) ->
     ids = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])
     batch = {"input_ids": torch.arange(1, 9).view(1, 8), "labels": torch.arange(8).view(1, 8),
              "_packed_seq_ids": ids}
-    layouts, outs = _shard_all(backend, cp, batch)
-    got = _caller_view(layouts, [o["position_ids"] for o in outs], 8)
+    layouts, outs = _installed.shard_all(backend, cp, batch)
+    got = _installed.back_to_caller(layouts, [o["position_ids"] for o in outs], 8)
     assert got.tolist() == [list(range(8))], (backend, got)
 
 

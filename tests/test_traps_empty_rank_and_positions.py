@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_core.errors import CPBatchError
-from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing.multirank import RankPool, load_module_file
 
@@ -56,35 +55,6 @@ def doc_ids(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([[d + 1 for d, n in enumerate(row) for _ in range(n)] for row in rows])
 
 
-def back_to_caller(layouts: list[Any], pieces: list[torch.Tensor], seq: int) -> torch.Tensor:
-    """Write every rank's local ``[..., n]`` tensor at its global indices; return ``[..., B, S]``.
-
-    Row layouts give ``[..., B, n]`` per rank, flat layouts ``[..., n]`` (the caller's rows
-    are found through ``input_token_stream_positions``; slots of dropped tokens read -1).
-    """
-    padded = layouts[0].padded_seq_len
-    positions = layouts[0].input_token_stream_positions
-    lead = pieces[0].shape[:-1]
-    full = torch.full((*lead, padded), -1, dtype=pieces[0].dtype)
-    for lay, piece in zip(layouts, pieces):
-        full[..., lay.local_token_global_indices] = piece
-    if positions is None:
-        return full[..., :seq]
-    out = full[..., positions.clamp(min=0)]
-    return out.masked_fill(positions < 0, -1)
-
-
-def shard_all(backend: str, cp: int, batch: dict[str, Any]) -> tuple[list[Any], list[dict]]:
-    """Every rank's layout and local batch on a simulated mesh."""
-    layouts, outs = [], []
-    for r in range(cp):
-        s = build_sharder({"backend": backend, "size": cp}, SimulatedCPMesh(r, cp))
-        _, out = s.shard(batch)
-        layouts.append(s.shard_layout)
-        outs.append(out)
-    return layouts, outs
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_positions_are_document_relative_after_the_permutation(backend: str, cp: int) -> None:
@@ -95,8 +65,8 @@ def test_positions_are_document_relative_after_the_permutation(backend: str, cp:
     expected = doc_relative(DOCS)
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": expected.clone(),
              "_packed_seq_ids": doc_ids(DOCS)}
-    layouts, outs = shard_all(backend, cp, batch)
-    got = back_to_caller(layouts, [o["position_ids"] for o in outs], SEQ)
+    layouts, outs = _installed.shard_all(backend, cp, batch)
+    got = _installed.back_to_caller(layouts, [o["position_ids"] for o in outs], SEQ)
     assert torch.equal(got, expected), (backend, cp, got, expected)
 
 
@@ -109,10 +79,10 @@ def test_thd_style_boundaries_give_the_unsharded_positions(backend: str) -> None
     cp = 1 if backend == "identity" else 4
     ids = torch.arange(1, 1 + 2 * SEQ).view(2, SEQ)
     batch = {"input_ids": ids, "labels": ids.clone(), "_packed_seq_ids": doc_ids(DOCS)}
-    layouts, outs = shard_all(backend, cp, batch)
-    got = back_to_caller(layouts, [o["position_ids"] for o in outs], SEQ)
+    layouts, outs = _installed.shard_all(backend, cp, batch)
+    got = _installed.back_to_caller(layouts, [o["position_ids"] for o in outs], SEQ)
     # The unsharded run of the same batch is the reference the CP run must reproduce.
-    _, ref = shard_all("identity", 1, batch)
+    _, ref = _installed.shard_all("identity", 1, batch)
     unsharded = ref[0]["position_ids"]
     assert torch.equal(got, unsharded), (backend, got)
 
@@ -129,13 +99,13 @@ def test_mrope_positions_follow_the_tokens(backend: str) -> None:
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": mrope,
              "_packed_seq_ids": doc_ids(DOCS)}
     try:
-        layouts, outs = shard_all(backend, cp, batch)
+        layouts, outs = _installed.shard_all(backend, cp, batch)
     except CPBatchError as exc:  # a backend may refuse mRoPE, but only with a clear error
         assert "position_ids" in str(exc), str(exc)
         pytest.skip(f"{backend} does not accept mRoPE position_ids: {exc}")
     pieces = [o["position_ids"] for o in outs]
     assert pieces[0].shape[0] == 3, (backend, tuple(pieces[0].shape))
-    got = back_to_caller(layouts, pieces, SEQ)
+    got = _installed.back_to_caller(layouts, pieces, SEQ)
     assert torch.equal(got, mrope), (backend, got, mrope)
 
 
