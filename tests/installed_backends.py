@@ -1,4 +1,4 @@
-"""Which CP backends this environment can build, for the cross-package tests.
+"""Which CP backends this environment can build, and helpers the cross-package tests share.
 
 The tests folder is not a package: a test module loads this file with
 ``cp_core.testing.multirank.load_module_file(Path(__file__).with_name("installed_backends.py"))``.

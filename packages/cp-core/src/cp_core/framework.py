@@ -99,16 +99,11 @@ def _static_rank_indices(index_fn: IndexFn, size: int, padded_len: int, device: 
     instead of on every step (the host-cost benchmark showed rebuilding them per shard as a
     visible share of the shard time). The tensors are shared between layouts: read-only.
     """
+    from cp_core.attention.slices import index_runs
+
     ranks = all_rank_indices(index_fn, size, padded_len, device)
-    runs = []
-    for row in ranks:
-        if row.numel() == 0:
-            runs.append(())
-            continue
-        breaks = (torch.nonzero(row[1:] - row[:-1] != 1).flatten() + 1).tolist()
-        bounds = [0, *breaks, row.numel()]
-        runs.append(tuple((int(row[a]), b - a) for a, b in zip(bounds[:-1], bounds[1:])))
-    return ranks, tuple(runs)
+    runs = tuple(tuple((r.start, r.length) for r in index_runs(row)) for row in ranks)
+    return ranks, runs
 
 
 #: Up to this many contiguous runs per rank, slices are copied run by run (``narrow`` +

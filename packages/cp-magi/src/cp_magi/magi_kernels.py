@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from cp_core.attention.plan import AttentionPlan
+from cp_core.attention.slices import index_runs
 from cp_core.attention.transport import (
     allgather_sdpa,
     check_local_shapes,
@@ -141,13 +142,8 @@ def check_magi_mode(mode: str) -> None:
 def contiguous_runs(q_index: np.ndarray) -> np.ndarray:
     """``[n_runs, 3]`` (global start, local start, length) of the runs of consecutive global
     positions in ``q_index`` (local order)."""
-    q_index = np.asarray(q_index, dtype=np.int64).reshape(-1)
-    if q_index.size == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    breaks = np.nonzero(np.diff(q_index) != 1)[0] + 1
-    local = np.concatenate([[0], breaks]).astype(np.int64)
-    ends = np.concatenate([breaks, [q_index.size]]).astype(np.int64)
-    return np.stack([q_index[local], local, ends - local], axis=1)
+    runs = index_runs(torch.from_numpy(np.asarray(q_index, dtype=np.int64).reshape(-1)))
+    return np.asarray([(r.start, r.local, r.length) for r in runs], dtype=np.int64).reshape(-1, 3)
 
 
 def local_ffa_ranges(rects: AttnRectangles, q_index: np.ndarray

@@ -82,13 +82,17 @@ def band_area(qs: int, qe: int, ks: int, ke: int, dlo: int, dhi: int) -> int:
     return total
 
 
+def _value_runs(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, ends)`` of the runs of equal values in a 1-D array."""
+    change = np.flatnonzero(row[1:] != row[:-1]) + 1
+    return np.concatenate(([0], change)), np.concatenate((change, [row.size]))
+
+
 def _segments(ids_row: np.ndarray) -> list[tuple[int, int, int]]:
     """``(start, end, doc)`` runs of equal non-zero document ids in one row."""
     if ids_row.size == 0:
         return []
-    change = np.flatnonzero(ids_row[1:] != ids_row[:-1]) + 1
-    starts = np.concatenate(([0], change))
-    ends = np.concatenate((change, [ids_row.size]))
+    starts, ends = _value_runs(ids_row)
     docs = ids_row[starts]
     keep = docs > 0
     return list(zip(starts[keep].tolist(), ends[keep].tolist(), docs[keep].tolist()))
@@ -158,9 +162,7 @@ def real_keys_only(rects: BandRects, real: torch.Tensor) -> BandRects:
     is cut at the pad runs inside it; the band bounds stay, as they are in global positions).
     """
     keep = real.detach().to("cpu", torch.bool).numpy()
-    change = np.flatnonzero(keep[1:] != keep[:-1]) + 1
-    starts = np.concatenate(([0], change))
-    ends = np.concatenate((change, [keep.size]))
+    starts, ends = _value_runs(keep) if keep.size else (np.zeros(0, int), np.zeros(0, int))
     runs = [(int(a), int(b)) for a, b in zip(starts, ends) if keep[a]]
     out: list[tuple[int, ...]] = []
     run_starts = [a for a, _ in runs]
