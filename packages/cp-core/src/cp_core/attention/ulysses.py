@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from cp_core.attention.p2p import p2p_attention, schedule_for
+from cp_core.attention.p2p_transport import P2PTransport
 from cp_core.attention.plan import AttentionPlan
 from cp_core.attention.transport import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
@@ -97,9 +98,7 @@ class UlyssesTransport:
     def check_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None:
         """Raise :class:`CPAttentionError` for head counts that do not split over ``cp_size``
         ranks (``cp-plan --explain`` asks this)."""
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise CPAttentionError(
-                f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
+        P2PTransport.check_heads(num_heads, num_kv_heads, cp_size)  # the GQA grouping
         _kv_heads_for_ranks(num_heads, num_kv_heads, cp_size)
 
     def prepare(self, plan: AttentionPlan) -> None:
