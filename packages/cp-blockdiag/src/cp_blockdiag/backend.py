@@ -10,9 +10,7 @@ from cp_blockdiag.batch import (
     make_contiguous_aux_only_batch_and_ctx,
 )
 from cp_blockdiag.config import BlockDiagConfig
-from cp_core.layout import contiguous_local_indices
-from cp_core.registry import Backend
-from cp_core.sharder import ContextParallelSharder
+from cp_core.backend_api import Backend, ContextParallelSharder, contiguous_local_indices
 
 
 def make_sharder(cfg: BlockDiagConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:

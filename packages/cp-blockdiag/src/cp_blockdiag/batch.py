@@ -28,19 +28,25 @@ import torch
 
 from cp_blockdiag.routing import EXCHANGES, build_route
 from cp_blockdiag.runtime import BlockDiagState, activate_state, blockdiag_transport
-from cp_core.attention.plan import AttentionKind, DocumentMask
-from cp_core.batch import normalize_batch
-from cp_core.documents import (
+from cp_core.backend_api import (
+    AttentionKind,
+    CPConfigError,
+    DocumentMask,
     Documents,
+    ShardLayout,
+    contiguous_divisor,
+    contiguous_local_indices,
+    cp_rank,
+    cp_size,
     document_positions,
+    make_plan,
+    normalize_batch,
+    per_chunk_multiple,
+    per_rank_divisor,
     resolve_documents,
+    shard_normalized,
     without_document_keys,
 )
-from cp_core.errors import CPConfigError
-from cp_core.framework import make_plan, shard_normalized
-from cp_core.layout import ShardLayout, contiguous_local_indices
-from cp_core.mesh import cp_rank, cp_size
-from cp_core.padding import contiguous_divisor, per_chunk_multiple
 
 ShardResult = tuple[Callable[[], ContextManager[Any]], dict[str, Any], ShardLayout]
 
@@ -118,7 +124,8 @@ def make_blockdiag_batch_and_ctx(
     nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=False)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
-    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, cp_size(cp_mesh) * m,
+    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices,
+                                   per_rank_divisor(cp_size(cp_mesh), m),
                                    padding_token_id=padding_token_id,
                                    extra_pad_values=extra_pad_values)
     return _finish(nb, cp_mesh, docs, out, layout, exchange=exchange,

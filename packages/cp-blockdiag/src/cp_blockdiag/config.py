@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from cp_core.config import CPBackendConfig
+from cp_core.backend_api import CPBackendConfig
 
 
 class BlockDiagConfig(CPBackendConfig):

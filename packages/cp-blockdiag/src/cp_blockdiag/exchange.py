@@ -9,16 +9,14 @@ so no shape exchange precedes the data. Every transfer is counted by
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from cp_core import comm
-
 from cp_blockdiag.routing import KVRoute
+from cp_core.backend_api import ThreadStack, differentiable_all_gather, record_collective
 
 
 @dataclass
@@ -39,32 +37,23 @@ class ExchangeStats:
         self.bytes_received[key] = self.bytes_received.get(key, 0) + int(received)
 
 
-_local = threading.local()
-
-
-def _stack() -> list[ExchangeStats]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+_counters: ThreadStack[ExchangeStats] = ThreadStack()
 
 
 @contextlib.contextmanager
 def count_exchange() -> Iterator[ExchangeStats]:
     """Count the K/V (and gradient) transfers this thread issues inside the block."""
-    stats = ExchangeStats()
-    _stack().append(stats)
-    try:
+    with _counters.pushed(ExchangeStats()) as stats:
         yield stats
-    finally:
-        _stack().remove(stats)
 
 
-def _record(key: str, sent: int, received: int) -> None:
-    for stats in _stack():
+def _record(key: str, sent: int, received: int, *, to_core: bool = True) -> None:
+    for stats in _counters.items():
         stats.record(key, sent, received)
-    # Also feed cp_core's collective counter where it exposes one, so repository-wide
-    # ``count_collectives`` blocks see this traffic too.
-    comm.record_collective(f"blockdiag_{key}", sent)
+    if to_core:
+        # Also feed cp_core's collective counter, so repository-wide ``count_collectives``
+        # blocks see this traffic too (cp-core's own collectives count themselves).
+        record_collective(f"blockdiag_{key}", sent)
 
 
 # -- packing -------------------------------------------------------------------------------
@@ -167,42 +156,24 @@ class _RoutedKV(torch.autograd.Function):
         return gk_local, gv_local, None, None
 
 
-class _AllGatherKV(torch.autograd.Function):
-    """All-gather every rank's K/V chunk; backward reduce-scatters through an all-to-all."""
+def _allgather_kv(k: torch.Tensor, v: torch.Tensor, group: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K/V chunk (packed: one collective), by cp-core's differentiable
+    all-gather: backward sums each chunk's gradient back to its owner."""
+    bsz, heads, n, dk = k.shape
+    dv = v.shape[-1]
+    size = dist.get_world_size(group)
 
-    @staticmethod
-    def forward(ctx: Any, k: torch.Tensor, v: torch.Tensor, group: Any  # type: ignore[override]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        bsz, heads, n, dk = k.shape
-        dv = v.shape[-1]
-        size = dist.get_world_size(group)
-        packed = pack_kv(k, v).contiguous()
-        parts = [torch.empty_like(packed) for _ in range(size)]
-        dist.all_gather(parts, packed, group=group)
+    def observe(direction: str, nbytes: int) -> None:
         # Logical traffic of a ring all-gather: every other rank's chunk in, own chunk out
-        # cp-1 times (forwarded).
-        _record("allgather/forward", (size - 1) * _nbytes(packed), (size - 1) * _nbytes(packed))
-        width = packed.shape[1]
-        full = torch.cat([p.view(bsz, n, width) for p in parts], dim=1).reshape(bsz * n * size,
-                                                                                width)
-        ctx.group, ctx.shape = group, (bsz, heads, n, dk, dv, size)
-        return unpack_kv(full, bsz, heads, dk, dv)
+        # cp-1 times (forwarded); cp-core's counter has counted the collective itself.
+        _record(f"allgather/{direction}", (size - 1) * nbytes, (size - 1) * nbytes,
+                to_core=False)
 
-    @staticmethod
-    def backward(ctx: Any, gk: torch.Tensor, gv: torch.Tensor):  # type: ignore[override]
-        bsz, heads, n, dk, dv, size = ctx.shape
-        g = pack_kv(gk, gv)
-        width = g.shape[1]
-        g = g.view(bsz, size * n, width)
-        chunks = torch.stack([g[:, r * n:(r + 1) * n].reshape(bsz * n, width)
-                              for r in range(size)]).contiguous()
-        out = torch.empty_like(chunks)
-        # gloo has no reduce_scatter: rank r receives every rank's gradient of its chunk.
-        dist.all_to_all_single(out, chunks, group=ctx.group)
-        chunk_bytes = _nbytes(chunks[0])
-        _record("allgather/backward", (size - 1) * chunk_bytes, (size - 1) * chunk_bytes)
-        gk_local, gv_local = unpack_kv(out.sum(0), bsz, heads, dk, dv)
-        return gk_local, gv_local, None
+    width = heads * (dk + dv)
+    packed = pack_kv(k, v).view(bsz, n, width)
+    full = differentiable_all_gather(packed, group, dim=1, grad_mode="sum", observer=observe)
+    return unpack_kv(full.reshape(bsz * n * size, width), bsz, heads, dk, dv)
 
 
 def exchange_kv(k: torch.Tensor, v: torch.Tensor, route: KVRoute, group: Any
@@ -216,7 +187,7 @@ def exchange_kv(k: torch.Tensor, v: torch.Tensor, route: KVRoute, group: Any
     if route.cp_size == 1:
         return k, v, route.extra_index
     if route.exchange == "allgather":
-        k_all, v_all = _AllGatherKV.apply(k, v, group)
+        k_all, v_all = _allgather_kv(k, v, group)
         return k_all, v_all, None
     if not route.any_traffic:
         return k, v, route.extra_index

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from cp_core.errors import CPAttentionError, CPConfigError
+from cp_core.backend_api import CPAttentionError, CPConfigError
 
 Exchange = Literal["auto", "allgather", "halo", "a2a"]
 EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")

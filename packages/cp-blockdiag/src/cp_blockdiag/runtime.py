@@ -18,11 +18,16 @@ import torch
 
 from cp_blockdiag.exchange import exchange_kv
 from cp_blockdiag.routing import KVRoute
-from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
-from cp_core.attention.p2p import fused_attention
-from cp_core.attention.plan import AttentionPlan
-from cp_core.attention.transport import check_local_shapes, resolve_causal
-from cp_core.errors import CPAttentionError
+from cp_core.backend_api import (
+    DEFAULT_BLOCK_BUDGET_BYTES,
+    AttentionPlan,
+    CPAttentionError,
+    activate_plan,
+    blocked_attention,
+    check_local_shapes,
+    fused_attention,
+    resolve_causal,
+)
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,6 @@ def activate_state(state: BlockDiagState, *, intercept: bool = True) -> Iterator
     token = _STATE.set(state)
     try:
         if intercept:
-            from cp_core.attention.intercept import activate_plan
-
             with activate_plan(state.plan):
                 yield state
         else:

@@ -7,12 +7,13 @@ can count exactly what crosses the wire (``with count_collectives() as stats: ..
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from cp_core.stacks import ThreadStack
 
 
 @dataclass
@@ -33,31 +34,20 @@ class CommStats:
         self.bytes_sent += int(nbytes)
 
 
-_local = threading.local()
-
-
-def _active() -> list[CommStats]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+_counters: ThreadStack[CommStats] = ThreadStack()
 
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CommStats]:
     """Count the collectives cp_core issues on this thread inside the block."""
-    stats = CommStats()
-    _active().append(stats)
-    try:
+    with _counters.pushed(CommStats()) as stats:
         yield stats
-    finally:
-        _active().remove(stats)
 
 
 def record_collective(op: str, nbytes: int) -> None:
     """Count a collective sent outside these wrappers (a backend's own exchange), so
     :func:`count_collectives` sees every byte cp_core and its backends send."""
-    for stats in _active():
+    for stats in _counters.items():
         stats.record(op, nbytes)
 
 
@@ -115,41 +105,60 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
     return tensor
 
 
+def reduce_scatter_sum(chunks: list[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rank j gets the sum over ranks of their ``chunks[j]`` (equal shapes).
+
+    A reduce-scatter through one all-to-all, since gloo has no reduce_scatter: the gradient
+    rule of every all-gather whose ranks compute different things from the gathered tensor.
+    """
+    return torch.stack(all_to_all_same_shape(chunks, group)).sum(0)
+
+
+#: Told ``(direction, nbytes)`` for each transfer of a differentiable all-gather:
+#: ``("forward", bytes of the local input)`` and ``("backward", bytes of one chunk)``.
+TransferObserver = Callable[[str, int], None]
+
+
 class _DiffAllGather(torch.autograd.Function):
     """All-gather whose backward is either the local slice or a reduce-scatter (sum)."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, dim: int,  # type: ignore[override]
-                grad_mode: str) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.grad_mode = group, dim, grad_mode
+                grad_mode: str, observer: TransferObserver | None) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.grad_mode, ctx.observer = group, dim, grad_mode, observer
         ctx.rank = dist.get_rank(group)
         ctx.n = tensor.shape[dim]
         parts = all_gather(tensor, group)
+        if observer is not None:
+            observer("forward", _nbytes(tensor))
         return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         chunks = list(grad.split(ctx.n, dim=ctx.dim))
         if ctx.grad_mode == "slice":
-            return chunks[ctx.rank].contiguous(), None, None, None
-        # Reduce-scatter through all-to-all, since gloo has no reduce_scatter: rank j
-        # receives every rank's gradient for its own slice and sums them.
-        received = all_to_all_same_shape(chunks, ctx.group)
-        return torch.stack(received).sum(0), None, None, None
+            return chunks[ctx.rank].contiguous(), None, None, None, None
+        mine = reduce_scatter_sum(chunks, ctx.group)
+        if ctx.observer is not None:
+            ctx.observer("backward", _nbytes(mine))
+        return mine, None, None, None, None
 
 
 def differentiable_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int,
-                              grad_mode: str = "slice") -> torch.Tensor:
+                              grad_mode: str = "slice",
+                              observer: TransferObserver | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank order), differentiably.
 
+    The one all-gather with gradients routed back of cp-core and its backends.
     ``grad_mode="slice"``: the gradient of the local input is this rank's slice of the
     upstream gradient (the right rule when every rank computes the same thing from the
     gathered tensor). ``grad_mode="sum"``: the slices of every rank's upstream gradient are
-    summed (reduce-scatter), the rule when ranks compute different things from it.
+    summed (:func:`reduce_scatter_sum`), the rule when ranks compute different things from
+    it. ``observer`` is told the size of each transfer (a backend's own counters).
     """
     if grad_mode not in ("slice", "sum"):
         raise ValueError(f"grad_mode must be 'slice' or 'sum', got {grad_mode!r}")
-    return _DiffAllGather.apply(tensor, group, dim, grad_mode)
+    return _DiffAllGather.apply(tensor, group, dim, grad_mode, observer)
 
 
 __all__ = [
@@ -161,4 +170,6 @@ __all__ = [
     "all_to_all_same_shape",
     "all_reduce",
     "differentiable_all_gather",
+    "reduce_scatter_sum",
+    "TransferObserver",
 ]

@@ -34,9 +34,24 @@ def round_robin_divisor(cp: int, chunk_multiple: int = 1) -> int:
 
 
 def contiguous_divisor(cp: int, chunk_multiple: int = 1) -> int:
-    """Padded-length divisor of the contiguous layout: ``cp * max(multiple, 2)`` (as the seed);
+    """Padded-length divisor of the contiguous layout: ``cp * max(multiple, 2)`` (NeMo
+    AutoModel's rule, kept so ported code pads alike);
     only the per-chunk multiple at CP size 1."""
     return chunk_multiple if cp == 1 else cp * max(chunk_multiple, 2)
 
 
-__all__ = ["per_chunk_multiple", "round_robin_divisor", "contiguous_divisor"]
+def per_rank_divisor(cp: int, rank_multiple: int = 1) -> int:
+    """Padded-length divisor of a layout whose ``cp`` ranks each hold a multiple of
+    ``rank_multiple`` tokens (a contiguous block per rank, stripes, equal chunk grids):
+    ``cp * rank_multiple``, CP size 1 included."""
+    return cp * rank_multiple
+
+
+def thd_document_divisor(cp: int, chunk_multiple: int = 1) -> int:
+    """Per-document divisor of TE's THD layout: every document is cut into ``2*cp`` chunks
+    of ``chunk_multiple``, even at CP size 1 (TE's contract)."""
+    return 2 * cp * chunk_multiple
+
+
+__all__ = ["per_chunk_multiple", "round_robin_divisor", "contiguous_divisor",
+           "per_rank_divisor", "thd_document_divisor"]

@@ -25,25 +25,19 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from cp_core.attention.plan import AttentionPlan
+from cp_core.stacks import ThreadStack
 
 # Both names are bound to the same builtin today; keep both in case a release splits them.
 _SDPA_FUNCS = frozenset({F.scaled_dot_product_attention,
                          torch._C._nn.scaled_dot_product_attention})
 
 _state = threading.local()
-
-
-def _plans() -> list[AttentionPlan]:
-    stack = getattr(_state, "plans", None)
-    if stack is None:
-        stack = _state.plans = []
-    return stack
+_plans: ThreadStack[AttentionPlan] = ThreadStack()
 
 
 def active_plan() -> AttentionPlan | None:
     """The plan serving SDPA calls on this thread (innermost :func:`activate_plan`), or None."""
-    stack = _plans()
-    return stack[-1] if stack else None
+    return _plans.top()
 
 
 class _SDPAIntercept(TorchFunctionMode):
@@ -95,14 +89,8 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     # The transport plans its communication and kernel pieces now, on the host, so that
     # nothing inside the forward or backward has to read a tensor value.
     prepare_transport(select_transport(plan), plan)
-    stack = _plans()
-    depth = len(stack)
-    stack.append(plan)
-    try:
-        with _SDPAIntercept(plan):
-            yield plan
-    finally:
-        del stack[depth:]
+    with _plans.pushed(plan), _SDPAIntercept(plan):
+        yield plan
 
 
 __all__ = ["activate_plan", "active_plan", "serve_call"]

@@ -256,7 +256,7 @@ class _RegatherKVAttention(torch.autograd.Function):
             lse, grad_out.reshape(out.shape))
         d = k.shape[-1]
         parts = torch.cat([dk_all, dv_all], dim=-1).split(k.shape[2], dim=2)
-        mine = torch.stack(comm.all_to_all_same_shape(list(parts), ctx.group)).sum(0)
+        mine = comm.reduce_scatter_sum(list(parts), ctx.group)
         return (dq.reshape(ctx.q_shape).to(q5.dtype), mine[..., :d].to(k.dtype),
                 mine[..., d:].to(v.dtype), None, None, None, None, None, None)
 
