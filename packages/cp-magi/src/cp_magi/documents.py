@@ -65,6 +65,14 @@ class RealKeyMask:
         """The inner mask's chunk."""
         return getattr(self.inner, "chunk", None)
 
+    def for_kind(self, kind: str, window: int | None = None, chunk: int | None = None
+                 ) -> "RealKeyMask | None":
+        """The inner mask re-derived for another kind, pad keys still removed (None when the
+        inner mask cannot be re-derived)."""
+        for_kind = getattr(self.inner, "for_kind", None)
+        other = for_kind(kind, window, chunk) if callable(for_kind) else None
+        return None if other is None else RealKeyMask(other, self.real)
+
     def attention_rects(self) -> "BandRects":
         """The inner rectangles with the pad keys cut out (the runtime's plan input)."""
         from cp_core.attention.rects import real_keys_only

@@ -19,7 +19,7 @@ kernel that sums rectangles, so overlap is refused at construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -253,16 +253,29 @@ class RectangleTokenMask:
     """The sliding window the rectangles were built with (None: none, or not known)."""
     chunk: int | None = None
     """The chunk of chunked attention the rectangles were built with (None: none/unknown)."""
+    derive: Callable[[str, int | None, int | None], "RectangleTokenMask"] | None = field(
+        default=None, compare=False, repr=False)
+    """``(kind, window, chunk) -> mask`` of the same documents with another attention kind
+    (set when the rectangles were built from the step's documents; None: they cannot be)."""
 
     @classmethod
     def from_rectangles(cls, rects: AttnRectangles, device: torch.device | str | None = None,
-                        window: int | None = None, chunk: int | None = None
-                        ) -> "RectangleTokenMask":
+                        window: int | None = None, chunk: int | None = None,
+                        derive: Callable[[str, int | None, int | None], "RectangleTokenMask"]
+                        | None = None) -> "RectangleTokenMask":
         """Precompute the interval table of ``rects`` on ``device``; ``window`` / ``chunk``
-        record the kind they were built for, so a model call can be checked against it."""
+        record the kind they were built for, so a model call can be checked against it;
+        ``derive`` rebuilds the mask for another kind (see :meth:`for_kind`)."""
         lo, hi = rects.interval_table()
         return cls(rects, torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device),
-                   window, chunk)
+                   window, chunk, derive)
+
+    def for_kind(self, kind: str, window: int | None = None, chunk: int | None = None
+                 ) -> "RectangleTokenMask | None":
+        """The same documents' mask with attention ``kind`` (a model layer of another kind,
+        e.g. Gemma 3's full layers under a sliding-window config); None when the rectangles
+        are not built from documents (a caller's own rectangles, a shared prefix)."""
+        return None if self.derive is None else self.derive(kind, window, chunk)
 
     def block(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """Bool ``[1, len(q_index), len(k_index)]``: True where the query sees the key."""

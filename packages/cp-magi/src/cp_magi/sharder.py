@@ -148,6 +148,22 @@ def _build_mask(docs: Documents, rects: Any, bsz: int, seq: int, padded: int,
     return shared_prefix_mask(groups, padded)
 
 
+def _kind_builder(docs: Documents, padded: int, device: torch.device
+                  ) -> Callable[[str, int | None, int | None], RectangleTokenMask]:
+    """``(kind, window, chunk) -> mask`` of the step's documents with another attention kind:
+    a model layer whose kind differs from ``cp.attention`` (Gemma 3's full layers under a
+    sliding window) is served on the same dispatch, built when a layer first asks for it
+    (nothing is computed for a step whose layers all have the configured kind)."""
+
+    def build(kind: str, window: int | None, chunk: int | None) -> RectangleTokenMask:
+        return RectangleTokenMask.from_rectangles(
+            document_mask(stream_spans(docs.ids), padded, attention=kind, window=window, chunk=chunk), device,
+            window=window if kind == "sliding_window" else None,
+            chunk=chunk if kind == "chunked" else None, derive=build)
+
+    return build
+
+
 def _has_holes(docs: Documents) -> bool:
     """True when some pad token lies inside a document (between its first and last token)."""
     spans = stream_spans(docs.ids)
@@ -213,7 +229,9 @@ def shard_batch_magi(
     # own rectangles are of no known kind).
     token_mask: Any = RectangleTokenMask.from_rectangles(
         rect_mask, device, window=window if rects is None and attention == "sliding_window"
-        else None, chunk=chunk if rects is None and attention == "chunked" else None)
+        else None, chunk=chunk if rects is None and attention == "chunked" else None,
+        derive=_kind_builder(docs, padded, device) if rects is None and mask == "documents"
+        else None)
     if rects is None and _has_holes(docs):
         # Rectangles span a document's pad holes: pad keys are removed on top (cp-core's
         # rule: one document, holes never attended). Without holes the rectangles are exact
