@@ -7,7 +7,7 @@ the vectorized partition
 (:mod:`cp_te.partition`) and the stream layout (:mod:`cp_te.stream`).
 """
 
-from cp_core.boundaries import Segments
+from cp_core.backend_api import Segments
 
 from cp_te.backend import BACKEND, TeThdConfig
 from cp_te.partition import (

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.backend_api import CPBatchError, CPConfigError
 
 
 def _check(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:

@@ -20,15 +20,26 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from cp_core.attention.plan import AttentionKind, DocumentMask
-from cp_core.batch import normalize_batch, pad_value_for
-from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
-from cp_core.documents import Documents, resolve_documents, without_document_keys
-from cp_core.errors import CPBatchError
-from cp_core.framework import make_plan, make_transport_ctx
-from cp_core.layout import ShardLayout
-from cp_core.mesh import cp_rank, cp_size
-from cp_core.padding import per_chunk_multiple
+from cp_core.backend_api import (
+    BOUNDARY_KEYS,
+    DEFAULT_SENTINEL,
+    AttentionKind,
+    CPBatchError,
+    DocumentMask,
+    Documents,
+    Segments,
+    ShardLayout,
+    cp_rank,
+    cp_size,
+    make_plan,
+    make_transport_ctx,
+    normalize_batch,
+    pad_value_for,
+    per_chunk_multiple,
+    resolve_documents,
+    thd_document_divisor,
+    without_document_keys,
+)
 from cp_te.partition import partitioned_indices_all_ranks
 from cp_te.stream import ThdStream, segments_from_document_ids
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
@@ -94,16 +105,18 @@ def _stream_document_mask(stream: ThdStream, positions: torch.Tensor,
 
 def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: Any,
                  cp_comm_type: str) -> CtxFactory:
-    """``factory(*modules)``: the cp-core transport, plus TE's CP group on the TE attention
-    modules inside ``modules`` when the TE path is active."""
+    """``factory()``, as on every backend: the cp-core transport, plus, when the TE path is
+    active, TE's CP group on every TE attention module that runs inside the context (found
+    at its call). ``factory(*modules)`` also configures the TE modules inside ``modules`` on
+    entry (the older spelling, kept working)."""
 
     def factory(*modules: torch.nn.Module) -> ContextManager[Any]:
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(base())
-            if te_on and modules:
+            if te_on:
                 stack.enter_context(te_context_parallel(find_te_attention_modules(modules),
-                                                        cp_mesh, cp_comm_type))
+                                                        cp_mesh, cp_comm_type, at_call=True))
         except BaseException:
             stack.close()
             raise
@@ -115,9 +128,7 @@ def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: 
 def plan_stream(segments: Segments, cp: int, chunk_multiple: int = 1
                 ) -> tuple[ThdStream, torch.Tensor]:
     """The padded stream of ``segments`` and every rank's partition ``[cp, T/cp]``."""
-    # Every document is cut into 2*cp chunks, even at CP size 1 (TE's THD contract), so the
-    # per-document divisor is 2*cp times the per-chunk multiple.
-    stream = ThdStream.build(segments, 2 * cp * chunk_multiple)
+    stream = ThdStream.build(segments, thd_document_divisor(cp, chunk_multiple))
     return stream, partitioned_indices_all_ranks(stream.cu_seqlens_padded(), cp)
 
 
@@ -138,10 +149,9 @@ def shard_batch_thd(
     multiple of ``2*cp`` (times the per-chunk multiple of ``pad_multiple``, ``block_size`` and
     the TP size under sequence parallelism), the rows are flattened into one stream and rank r
     keeps chunks r and ``2*cp-1-r`` of every document. Returns ``(ctx_factory, local_batch,
-    layout)``; ``ctx_factory(*modules)`` routes SDPA through the cp-core transport with the
-    document mask, and on CUDA with TransformerEngine also sets the CP group on the TE
-    ``DotProductAttention`` modules found inside ``modules``. The caller's batch is not
-    modified.
+    layout)``; ``ctx_factory()`` routes SDPA through the cp-core transport with the
+    document mask, and on CUDA with TransformerEngine also sets the CP group on every TE
+    ``DotProductAttention`` module that runs inside it. The caller's batch is not modified.
     """
     docs, segments = document_segments(batch, seq_lens_sentinel)
     bsz, seq = docs.ids.shape

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_core.boundaries import Segments
+from cp_core.backend_api import Segments
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
