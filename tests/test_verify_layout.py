@@ -50,9 +50,20 @@ def make_batch(seed: int = 0) -> dict[str, Any]:
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
 
 
+def make_batch_with_plain_values(seed: int = 0) -> dict[str, Any]:
+    """:func:`make_batch` with its documents as a plain ``seq_lens`` list (in place of the
+    position resets) and a plain tag a loader may attach."""
+    batch = {k: v for k, v in make_batch(seed).items() if k != "position_ids"}
+    return {**batch, "source": "shard-0", "seq_lens": [[5, 3, 5], [13]]}
+
+
+#: Differences in values that are not tensors (the error must blame the data, not a solver).
+PLAIN_KINDS = ("non_tensor", "seq_lens")
+
+
 def altered(kind: str) -> dict[str, Any]:
     """The batch of :func:`make_batch` with one kind of difference."""
-    batch = make_batch()
+    batch = make_batch_with_plain_values() if kind in PLAIN_KINDS else make_batch()
     if kind == "one_label":
         batch["labels"] = batch["labels"].clone()
         batch["labels"][1, 7] = -100
@@ -64,6 +75,10 @@ def altered(kind: str) -> dict[str, Any]:
         batch["input_ids"] = ids
     elif kind == "other_batch":
         batch = make_batch(seed=1)
+    elif kind == "non_tensor":  # equal tensors; a plain value the loader attached differs
+        batch["source"] = "shard-1"
+    elif kind == "seq_lens":  # equal tensors; the documents listed as a plain list differ
+        batch["seq_lens"] = [[5, 8], [13]]
     return batch
 
 
@@ -79,7 +94,8 @@ def case_diverge(rank: int, world: int, backend: str, size: int, bad_ranks: list
                  kind: str) -> str:
     group = cp_subgroup(size)
     cp_rank = dist.get_rank(group)
-    batch = altered(kind) if cp_rank in bad_ranks else make_batch()
+    same = make_batch_with_plain_values() if kind in PLAIN_KINDS else make_batch()
+    batch = altered(kind) if cp_rank in bad_ranks else same
     # The default config: the check is on unless cp.verify_layout=false.
     s = build_sharder({"backend": backend, "size": size}, group)
     try:
@@ -115,7 +131,7 @@ def test_same_batch_passes_with_one_small_collective(pool: RankPool, size: int) 
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["one_label", "swapped", "other_batch"])
+@pytest.mark.parametrize("kind", ["one_label", "swapped", "other_batch", *PLAIN_KINDS])
 def test_different_batches_raise_on_every_rank(pool: RankPool, kind: str) -> None:
     for backend in loadable_backends():
         msgs = pool.run(case_diverge, backend, 2, [1], kind)
@@ -159,6 +175,17 @@ def test_check_vectors_accepts_a_partition() -> None:
 
 def test_check_vectors_rejects_overlapping_indices() -> None:
     rows = [[0, 1, 2, 3], [2, 3, 4, 5]]  # positions 2, 3 twice; 6, 7 nowhere
+    batch = make_batch()
+    vecs = torch.stack([local_vector(r, batch, _layout(r, rows, 8)) for r in range(2)])
+    with pytest.raises(CPLayoutError, match=r"do not partition the padded stream \[0, 8\)"):
+        check_vectors(vecs, 8)
+
+
+def test_check_vectors_rejects_overlap_with_matching_count_and_sum() -> None:
+    # 1 and 6 replaced by 2 and 5: still 8 tokens summing to 28, but 2 and 5 are held twice;
+    # only the sum of squares tells.
+    rows = [[0, 2, 2, 3], [4, 5, 5, 7]]
+    assert sum(map(sum, rows)) == sum(range(8))
     batch = make_batch()
     vecs = torch.stack([local_vector(r, batch, _layout(r, rows, 8)) for r in range(2)])
     with pytest.raises(CPLayoutError, match=r"do not partition the padded stream \[0, 8\)"):

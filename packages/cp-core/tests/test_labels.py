@@ -1,4 +1,5 @@
-"""Label shifting: the helper against a plain loop, and the shift-after-sharding trap at CP=4."""
+"""Label shifting: the helper against a plain loop, and the shift-after-sharding trap at CP=4
+(compared with the independent truth of :mod:`cp_core.testing.truth`, on loop-built labels)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ def test_with_shifted_labels_copies_the_batch() -> None:
     before = {k: v.clone() for k, v in batch.items()}
     batch_no_labels = {k: v for k, v in batch.items() if k != "labels"}
     out = with_shifted_labels(batch_no_labels)
-    assert "labels" not in batch_no_labels and torch.equal(out["labels"], before["labels"])
+    docs, ids = batch["_packed_seq_ids"].tolist(), batch["input_ids"].tolist()
+    expected = torch.tensor([_loop_labels(i, d, 1) for i, d in zip(ids, docs)])
+    assert "labels" not in batch_no_labels and torch.equal(out["labels"], expected)
     assert all(torch.equal(batch[k], before[k]) for k in before)
 
 
@@ -104,11 +107,14 @@ def _train(rank: int, world: int, shift_after_sharding: bool, steps: int) -> dic
     from cp_core.grads import allreduce_gradients
     from cp_core.loss import cp_cross_entropy
     from cp_core.registry import build_sharder
-    from cp_core.testing.parity import identity_sharder, relative_error, training_step
+    from cp_core.testing.parity import reference_step, relative_error, training_step
     from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
 
     group = dist.group.WORLD
     batch = make_packed_batch([[9, 14, 20, 18], [30, 17, 6]], vocab=64, seed=3, pad_to=61)
+    # Targets by the plain loop, so the reference shares no label code with what it checks.
+    docs, ids = batch["_packed_seq_ids"].tolist(), batch["input_ids"].tolist()
+    batch["labels"] = torch.tensor([_loop_labels(i, d, 1) for i, d in zip(ids, docs)])
     cfg = ReferenceModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                                num_kv_heads=2, intermediate_size=64, seed=11)
     model = ReferenceDecoder(cfg)
@@ -117,7 +123,7 @@ def _train(rank: int, world: int, shift_after_sharding: bool, steps: int) -> dic
     lr = 0.5
     out: dict[str, Any] = {"cp_loss": [], "ref_loss": [], "grad_err": []}
     for _ in range(steps):
-        r = training_step(ref, identity_sharder(), batch)
+        r = reference_step(ref, batch)  # the independent truth, unsharded
         if not shift_after_sharding:
             c = training_step(model, sharder, batch)
             cp_loss, cp_grads = c.loss, c.grads

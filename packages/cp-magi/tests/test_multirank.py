@@ -2,7 +2,8 @@
 
 Conformance: layout partition, round trips, pad fills, gradient routing and CP=2/4 parity on
 packed document-causal batches. Own cases: identical solver answers in separate processes, and
-training-step parity at CP=2 and CP=4 against CP=1 on a shared-prefix mask, on packed
+training-step parity at CP=1, 2 and 4 against the independent truth
+(:mod:`cp_core.testing.truth`; a loop-built mask for the shared prefix) on a shared-prefix mask, on packed
 sliding-window batches (greedy solver), with a fixed chunk size and with uneven (split) chunks. One pool of real gloo
 ranks (``cp_rank_pool``, imported from the suite) serves every multi-rank check here.
 """
@@ -20,8 +21,15 @@ import torch.nn.functional as F
 from cp_core.registry import build_sharder
 from cp_core.testing.conformance import ConformanceSuite, cp_rank_pool  # noqa: F401
 from cp_core.testing.multirank import RankPool
-from cp_core.testing.parity import FP32_RTOL, compare_steps, cp_subgroup, training_step
+from cp_core.testing.parity import (
+    FP32_RTOL,
+    StepResult,
+    compare_steps,
+    cp_subgroup,
+    training_step,
+)
 from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
+from cp_core.testing.truth import truth_step
 
 MODEL = ReferenceModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                              num_kv_heads=2, intermediate_size=64, seed=1234)
@@ -93,6 +101,31 @@ CASES: dict[str, tuple[dict, Any]] = {
 }
 
 
+def shared_prefix_truth_mask(batch: dict) -> torch.Tensor:
+    """``[B, 1, S, S]`` by loops: document 1 of a row is the prefix; every token of a later
+    document sees the whole prefix and, causally, its own document; pad rows see themselves."""
+    docs = batch["_packed_seq_ids"].tolist()
+    bsz, seq = len(docs), len(docs[0])
+    allowed = torch.zeros(bsz, 1, seq, seq, dtype=torch.bool)
+    for b in range(bsz):
+        for i in range(seq):
+            allowed[b, 0, i, i] = True
+            if docs[b][i] == 0:
+                continue
+            for j in range(seq):
+                own = docs[b][j] == docs[b][i] and j <= i
+                prefix = docs[b][i] > 1 and docs[b][j] == 1
+                allowed[b, 0, i, j] = own or prefix
+    return allowed
+
+
+def _truth(cfg: dict, model: Any, batch: dict) -> StepResult:
+    """The independent truth of a case (never magi at CP=1)."""
+    mask = shared_prefix_truth_mask(batch) if cfg.get("mask") == "shared_prefix" else None
+    loss, grads = truth_step(model, batch, window=cfg.get("window"), mask=mask)
+    return StepResult(loss, grads)
+
+
 def _rank_parity(rank: int, world: int, case: str, cp: int) -> list[tuple[float, float]]:
     cfg, make = CASES[case]
     group = cp_subgroup(cp)
@@ -100,10 +133,12 @@ def _rank_parity(rank: int, world: int, case: str, cp: int) -> list[tuple[float,
     for seed in (0, 1):
         batch = make(seed)
         model = ReferenceDecoder(MODEL)
-        ref = training_step(copy.deepcopy(model), build_sharder({**cfg, "size": 1}, None), batch)
-        res = training_step(model, build_sharder({**cfg, "size": cp}, group), batch)
-        rep = compare_steps(res, ref)
-        out.append((rep.loss_rel_err, rep.worst_grad[1]))
+        ref = _truth(cfg, model, batch)
+        for size, mesh in ((1, None), (cp, group)):
+            res = training_step(copy.deepcopy(model), build_sharder({**cfg, "size": size}, mesh),
+                                batch)
+            rep = compare_steps(res, ref)
+            out.append((rep.loss_rel_err, rep.worst_grad[1]))
     return out
 
 

@@ -2,13 +2,12 @@
 
 The correctness bar of every backend: a training step at CP=N (shard, forward inside the
 sharder's context, CP cross-entropy, backward, gradient all-reduce over the CP group) gives
-the same loss and the same gradient of every parameter as the identity backend at CP=1 on
-the same batch. fp32 tolerance: ``||g_cp - g_ref|| / ||g_ref|| <= 1e-5`` per parameter.
+the same loss and the same gradient of every parameter as the unsharded truth on the same
+batch (:func:`reference_step`: plain SDPA and cross-entropy, no library code). fp32 tolerance: ``||g_cp - g_ref|| / ||g_ref|| <= 1e-5`` per parameter.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -130,11 +129,19 @@ def identity_sharder() -> ContextParallelSharder:
 
 
 def reference_step(model: nn.Module, batch: Mapping[str, Any], *,
-                   loss_mask: torch.Tensor | None = None) -> StepResult:
-    """The CP=1 step of the identity backend on the full batch (on a copy of ``model``, so
-    the caller's gradients are untouched)."""
-    ref_model = copy.deepcopy(model)
-    return training_step(ref_model, identity_sharder(), batch, loss_mask=loss_mask)
+                   loss_mask: torch.Tensor | None = None, window: int | None = None,
+                   chunk: int | None = None) -> StepResult:
+    """The independent CP=1 truth on the full batch (on a copy of ``model``, so the caller's
+    gradients are untouched): plain SDPA under a mask built by loops from the batch and plain
+    cross-entropy (:func:`cp_core.testing.truth.truth_step`). No sharder, resolver, plan or
+    kernel of the library runs, so a bug there cannot cancel out of a parity check.
+    ``loss_mask`` travels with a batch but does not weight :func:`training_step`'s loss, so it
+    is accepted and ignored; ``window`` / ``chunk``: the attention kind of the backend."""
+    from cp_core.testing.truth import truth_step
+
+    del loss_mask
+    loss, grads = truth_step(model, batch, window=window, chunk=chunk)
+    return StepResult(loss, grads)
 
 
 def compare_steps(result: StepResult, reference: StepResult) -> ParityReport:

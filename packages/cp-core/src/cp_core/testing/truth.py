@@ -197,11 +197,13 @@ def explicit_mask_sdpa(mask: torch.Tensor) -> Iterator[None]:
 
 
 def truth_step(model: nn.Module, batch: Mapping[str, Any], *, window: int | None = None,
-               chunk: int | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+               chunk: int | None = None, mask: torch.Tensor | None = None
+               ) -> tuple[float, dict[str, torch.Tensor]]:
     """``(loss, gradients)`` of the unsharded model on ``batch`` under the truth mask, the loss
     being the mean ``F.cross_entropy`` over the labels that are not -100 (a copy of ``model``
     is used; the caller's gradients are untouched). ``window`` / ``chunk``: sliding-window
-    or chunked attention within each document."""
+    or chunked attention within each document; ``mask``: an allowed-pair matrix
+    ``[B, 1, S, S]`` the caller built for a mask kind the loops here do not know."""
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     kwargs: dict[str, Any] = {"position_ids": truth_positions(batch)}
@@ -209,7 +211,7 @@ def truth_step(model: nn.Module, batch: Mapping[str, Any], *, window: int | None
         kwargs["input_ids"] = batch["input_ids"]
     else:
         kwargs["inputs_embeds"] = batch["inputs_embeds"]
-    with explicit_mask_sdpa(truth_mask(batch, window, chunk)):
+    with explicit_mask_sdpa(truth_mask(batch, window, chunk) if mask is None else mask):
         logits = ref(**kwargs)
     labels = batch["labels"].long()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
