@@ -75,7 +75,7 @@ class RealKeyMask:
 
     def attention_rects(self) -> "BandRects":
         """The inner rectangles with the pad keys cut out (the runtime's plan input)."""
-        from cp_core.attention.rects import real_keys_only
+        from cp_core.backend_api import real_keys_only
 
         return real_keys_only(self.inner.attention_rects(), self.real)  # type: ignore[attr-defined]
 

@@ -23,28 +23,13 @@ magi_attn_interface.py)? Those run MagiAttention's own dispatch solver
 exists to beat, and the sharded batch the model already holds would no longer match. The FFA
 kernel takes arbitrary (query range, key range, type) triples, which is exactly our mask model.
 
-API facts relied on (SandAI-org/MagiAttention, read through the code search, not run here):
-
-* ``magi_attention/api/__init__.py`` exports ``flex_flash_attn_func``.
-* ``magi_attention/functional/flex_flash_attn.py``: q ``(num_tokens_q, num_heads_q, head_dim)``,
-  k/v ``(num_tokens_kv, num_heads_kv, head_dim)``; ``q_ranges``/``k_ranges`` ``(n, 2)`` and
-  ``attn_type_map`` ``(n,)``, all int32 CUDA tensors (the C++ checks "q_ranges must be int32");
-  type codes 0 full, 1 causal (bottom-right aligned), 2 inverse causal (top-left aligned),
-  3 bidirectional causal (both); ``softmax_scale=None`` means ``1/sqrt(head_dim)``. It returns
-  ``(out, lse)`` in older releases and ``(out, AttnForwardMeta)`` in newer ones: only ``[0]``
-  is read. Older releases also take required ``max_seqlen_q`` / ``max_seqlen_k`` arguments;
-  they are passed only when the installed signature requires them.
-* ``magi_attention/common/enum.py``: ``AttnMaskType`` FULL/CAUSAL/INVCAUSAL/BICAUSAL with
-  values "full"/"causal"/"inv_causal"/"bi_causal" and ints 0/1/2/3 (:data:`MAGI_MASK_TYPES`).
-* ``magi_attn_flex_key`` validates ``head_dim % 8 == 0`` and ``head_dim <= 192``; the same
-  limits gate the automatic use here.
-
-Verified on this machine (CPU, no magi_attention): the range conversion against an
-independent dense mask, the whole FFA-path data flow with a pure-torch stand-in for the
-kernel written from the documented semantics, the mode selection ("never", "auto" falling
-back to the cp-core transport, "always" refusing). NOT verified here: the real kernel call,
-its numerics and its backward; ``tests/test_magi_kernels.py`` has a GPU-only test comparing
-this path with the cp-core transport, skipped unless CUDA and ``magi_attention`` are present.
+The kernel's contract (``magi_attention.api.flex_flash_attn_func``): ``[tokens, heads,
+head_dim]`` q/k/v, int32 ``(n, 2)`` ranges and an ``(n,)`` type map (0 full, 1 causal, 2
+inverse causal, 3 bidirectional causal: :data:`MAGI_MASK_TYPES`); only ``[0]`` of its result
+is read, and ``max_seqlen_*`` are passed only where the installed signature requires them. The
+automatic path keeps to ``magi_attn_flex_key``'s head-size limits. CPU tests run this path
+with a pure-torch stand-in for the kernel; ``tests/test_magi_kernels.py`` compares the real
+kernel with the cp-core transport where CUDA and ``magi_attention`` are present.
 """
 
 from __future__ import annotations
@@ -57,15 +42,16 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
-from cp_core.attention.plan import AttentionPlan
-from cp_core.attention.slices import index_runs
-from cp_core.attention.transport import (
+from cp_core.backend_api import (
+    AttentionPlan,
+    CPAttentionError,
+    CPConfigError,
     allgather_sdpa,
     check_local_shapes,
     gather_kv,
+    index_runs,
     resolve_causal,
 )
-from cp_core.errors import CPAttentionError, CPConfigError
 from cp_magi.mask import BI_CAUSAL, CAUSAL, INV_CAUSAL, MASK_TYPES, AttnRectangles
 
 MagiKernelMode = Literal["auto", "never", "always"]

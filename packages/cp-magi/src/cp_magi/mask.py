@@ -24,8 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from cp_core.attention.rects import INF, BandRects
-from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.backend_api import INF, BandRects, CPBatchError, CPConfigError
 
 MASK_TYPES: tuple[str, ...] = ("full", "causal", "inv_causal", "bi_causal")
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = range(4)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.backend_api import CPBatchError, CPConfigError
 from cp_magi.mask import BI_CAUSAL, CAUSAL, FULL, AttnRectangles
 
 Spans = Sequence[tuple[int, int]] | np.ndarray

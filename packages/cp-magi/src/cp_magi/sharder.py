@@ -31,12 +31,24 @@ from typing import Any, Callable, ContextManager, Literal, Mapping
 import numpy as np
 import torch
 
-from cp_core.batch import normalize_batch, pad_position_ids, pad_seq_dim, pad_value_for
-from cp_core.errors import CPBatchError, CPConfigError
-from cp_core.framework import make_plan, make_transport_ctx
-from cp_core.layout import ShardLayout, round_up
-from cp_core.mesh import cp_rank, cp_size
-from cp_core.documents import Documents, resolve_documents, without_document_keys
+from cp_core.backend_api import (
+    CPBatchError,
+    CPConfigError,
+    Documents,
+    ShardLayout,
+    cp_rank,
+    cp_size,
+    make_plan,
+    make_transport_ctx,
+    normalize_batch,
+    pad_position_ids,
+    pad_seq_dim,
+    pad_value_for,
+    per_rank_divisor,
+    resolve_documents,
+    round_up,
+    without_document_keys,
+)
 from cp_magi.documents import RealKeyMask, span_rows, stream_spans
 from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, dispatch, rank_token_indices
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
@@ -194,7 +206,7 @@ def shard_batch_magi(
     stream_len = bsz * seq
     csize, cpr = choose_chunking(stream_len, size, chunk_size=chunk_size,
                                  chunks_per_rank=chunks_per_rank, chunk_multiple=chunk_multiple)
-    padded = size * cpr * csize
+    padded = per_rank_divisor(size, cpr * csize)  # exactly cp * chunks_per_rank chunks
     pad_len = padded - stream_len
     rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, attention, window, chunk)
     chunks, assignment = dispatch(rect_mask, size, csize, cpr, split=split,
@@ -222,7 +234,8 @@ def shard_batch_magi(
         local_token_global_indices=local, original_seq_len=stream_len, padded_seq_len=padded,
         input_row_shape=(bsz, seq),
         input_token_stream_positions=torch.arange(stream_len, device=device).view(bsz, seq),
-        rank_global_indices=ranks, pad_multiple=size * csize, cp_rank=rank, cp_size=size,
+        rank_global_indices=ranks, pad_multiple=per_rank_divisor(size, csize), cp_rank=rank,
+        cp_size=size,
         extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},
     )
     # Built from documents, the rectangles are exactly cp.attention's kind: say so (a caller's

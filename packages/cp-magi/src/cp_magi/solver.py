@@ -27,7 +27,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from cp_core.errors import CPBatchError, CPConfigError
+from cp_core.backend_api import CPBatchError, CPConfigError
 from cp_magi.solver_rows import (
     build_rows,
     construct,
