@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from cp_core.attention.fused import CPUFlashKernel, MathKernel, forward_pieces
-from cp_core.attention.p2p import _pack, build_schedule, rank_runs
+from cp_core.attention.p2p import _pack, build_schedule, rank_runs, schedule_from_runs
 from cp_core.attention.plan import AttentionPlan, DocumentMask
 from cp_core.attention.rects import INF, band_area, document_rects
 from cp_core.attention.slices import CAUSAL, index_runs
+from cp_core.runs import RankRuns
 from cp_core.testing.multirank import load_module_file
 
 ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
@@ -105,7 +106,8 @@ def test_simulated_ranks_match_truth(kind, window, chunk):
         truth = ref.dense_attention(q, k, v, allowed, 0.3)
         layout = _layout(rng, seq, cp)
         runs = rank_runs(layout)
-        scheds = [build_schedule(rects, runs, r) for r in range(cp)]
+        # The runtime's vectorised schedule (test_attention_crop.py: equal to build_schedule).
+        scheds = [schedule_from_runs(rects, RankRuns.from_indices(layout), r) for r in range(cp)]
         for kernel in (CPUFlashKernel(), MathKernel()):
             got = torch.zeros_like(truth)
             for r in range(cp):

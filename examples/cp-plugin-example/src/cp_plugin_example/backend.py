@@ -1,8 +1,9 @@
 """The ``striped`` backend record: config model, ``shard_batch`` and sharder factory.
 
-Built only from cp-core's public building blocks (the one document resolver with batch
-normalisation, the shared pad-and-select procedure, the document mask and the default
-transport), the way any third-party backend would be.
+Built only from cp-core's declared backend interface, :mod:`cp_core.backend_api` (the one
+document resolver with batch normalisation, the pad divisors, the shared pad-and-select
+procedure, the document mask and the default transport), the way any third-party backend
+would be.
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ from typing import Any, Callable, Mapping
 import torch
 from pydantic import Field
 
-from cp_core.attention.plan import AttentionKind
-from cp_core.config import CPBackendConfig
-from cp_core.framework import (
+from cp_core.backend_api import (
+    AttentionKind,
+    Backend,
+    ContextParallelSharder,
+    CPBackendConfig,
+    ShardLayout,
     build_document_mask,
+    cp_size,
+    lcm,
     make_plan,
     make_transport_ctx,
     normalize_with_documents,
+    per_chunk_multiple,
+    per_rank_divisor,
     shard_normalized,
 )
-from cp_core.layout import ShardLayout, lcm
-from cp_core.mesh import cp_size
-from cp_core.padding import per_chunk_multiple
-from cp_core.registry import Backend
-from cp_core.sharder import ContextParallelSharder
 from cp_plugin_example.layout import striped_local_indices
 
 
@@ -55,7 +58,7 @@ def shard_batch_striped(
                                   sequence_parallel=sequence_parallel, block_size=block_size)
     # Every rank holds padded/cp tokens, which must be whole stripes and a multiple of the
     # per-rank constraints.
-    divisor = size * lcm(stripe, per_rank)
+    divisor = per_rank_divisor(size, lcm(stripe, per_rank))
     out, layout = shard_normalized(nb, cp_mesh, partial(striped_local_indices, stripe=stripe),
                                    divisor, padding_token_id=padding_token_id)
     mask = build_document_mask(docs, layout.padded_seq_len or nb.seq_len, attention=attention,

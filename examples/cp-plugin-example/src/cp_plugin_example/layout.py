@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from cp_core.errors import CPBatchError, CPConfigError
-from cp_core.mesh import cp_rank, cp_size
+from cp_core.backend_api import CPBatchError, CPConfigError, cp_rank, cp_size
 
 
 def striped_local_indices(cp_mesh: Any, padded_seq_len: int,

@@ -15,6 +15,7 @@ import torch
 
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.mesh import SimulatedCPMesh, cp_rank, cp_size
+from cp_core.runs import RankRuns, install_lazy_indices
 
 IndexFn = Callable[..., torch.Tensor]
 
@@ -36,6 +37,9 @@ class ShardLayout:
             so a gather moves data only.
         pad_multiple: the effective divisor the padded length was rounded up to.
         cp_rank / cp_size: the rank this layout was computed for.
+        rank_runs: every rank's index map as runs (:class:`~cp_core.runs.RankRuns`). A
+            layout built from runs leaves ``rank_global_indices`` unset: it is expanded from
+            the runs when first read (a gather), so a shard costs O(runs) for other ranks.
 
     The index tensors of static layouts are cached per shape and shared by every layout of
     that shape: treat them as read-only.
@@ -51,6 +55,7 @@ class ShardLayout:
     cp_rank: int = 0
     cp_size: int = 1
     extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    rank_runs: RankRuns | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_local_tokens(self) -> int:
@@ -65,6 +70,9 @@ class ShardLayout:
         if self.padded_seq_len is None or self.original_seq_len is None:
             return 0
         return self.padded_seq_len - self.original_seq_len
+
+
+install_lazy_indices(ShardLayout, "rank_global_indices", "rank_runs")
 
 
 def lcm(*values: int) -> int:

@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from cp_core.comm import record_collective
+from cp_core.runs import RankRuns
 from cp_core.attention.fused import PieceKernel, backward_pieces, forward_pieces, kernel_for
 from cp_core.attention.plan import AttentionPlan
+from cp_core.attention.crop import schedule_parts
 from cp_core.attention.rects import BandRects
 from cp_core.attention.slices import (Piece, Run, build_rank_slices, index_runs,
                                       merge_full_pieces, to_buffer_coords)
@@ -106,6 +108,13 @@ def build_schedule(rects: BandRects, runs: list[list[Run]], rank: int) -> P2PSch
         theirs = build_rank_slices(rects, runs[dst], {rank: runs[rank]}, pieces=False)
         steps.append(RingStep(src, recv, pieces, dst, theirs.needed.get(rank, [])))
     return P2PSchedule(rank, size, mine.by_src.get(rank, []), steps)
+
+
+def schedule_from_runs(rects: BandRects, runs: RankRuns, rank: int) -> P2PSchedule:
+    """:func:`build_schedule` computed from every rank's runs with array operations
+    (:mod:`cp_core.attention.crop`): the same pieces and ranges, O(rectangles x runs)."""
+    local, parts = schedule_parts(rects, runs, rank)
+    return P2PSchedule(rank, runs.size, local, [RingStep(*p) for p in parts])
 
 
 def _pack(kv: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -253,8 +262,10 @@ def schedule_for(plan: AttentionPlan) -> P2PSchedule | None:
         if rects is None:
             cache["p2p"] = None
         else:
-            runs = rank_runs(plan.rank_indices)
-            cache["p2p"] = build_schedule(rects, runs, plan.cp_rank)
+            runs = plan.rank_runs
+            if runs is None:
+                runs = RankRuns.from_indices(plan.rank_indices)
+            cache["p2p"] = schedule_from_runs(rects, runs, plan.cp_rank)
     return cache["p2p"]
 
 
@@ -303,4 +314,5 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Att
 
 
 __all__ = ["P2PSchedule", "RingStep", "build_schedule", "rank_runs", "schedule_for",
+           "schedule_from_runs",
            "plan_rects", "p2p_attention", "fused_attention"]

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, get_args
 
 import torch
 
+from cp_core.runs import RankRuns, install_lazy_indices
+
 if TYPE_CHECKING:
     from cp_core.attention.rects import BandRects
 
@@ -136,6 +138,9 @@ class AttentionPlan:
     options: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Host data a transport derives from the plan once (its schedule); filled on first use."""
+    rank_runs: RankRuns | None = field(default=None, compare=False, repr=False)
+    """Every rank's positions as runs; ``rank_indices`` may then be None and is expanded from
+    them when first read (the p2p schedule reads the runs only)."""
 
     @property
     def group(self) -> Any:
@@ -144,5 +149,7 @@ class AttentionPlan:
 
         return cp_group(self.cp_mesh)
 
+
+install_lazy_indices(AttentionPlan, "rank_indices", "rank_runs")
 
 __all__ = ["AttentionKind", "ATTENTION_KINDS", "TokenMask", "DocumentMask", "AttentionPlan"]

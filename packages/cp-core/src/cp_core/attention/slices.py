@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -52,11 +53,13 @@ def index_runs(index: torch.Tensor) -> list[Run]:
     return [Run(int(g), a, b - a) for g, a, b in zip(starts, bounds[:-1], bounds[1:])]
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """One kernel call: local query rows ``[q0, q1)`` of batch row ``b`` (-1: all rows) against
     key rows ``[k0, k1)`` of the key source (``src``'s local rows, or a receive buffer's), with
-    ``kind`` and, for ``BAND``, the bounds ``dlo <= u - r <= dhi`` in piece coordinates."""
+    ``kind`` and, for ``BAND``, the bounds ``dlo <= u - r <= dhi`` in piece coordinates.
+
+    A named tuple: a long-context step has thousands of pieces, built on the host every step.
+    """
 
     b: int
     q0: int
@@ -271,7 +274,7 @@ def merge_full_pieces(pieces: list[Piece]) -> list[Piece]:
                 or (lo == "q0" and (last.k0, last.k1) == (p.k0, p.k1)))
             if last is not None and same_rows and getattr(last, hi) == getattr(p, lo):
                 fields = {"k1": p.k1} if hi == "k1" else {"q1": p.q1}
-                merged[-1] = Piece(**{**last.__dict__, **fields})
+                merged[-1] = last._replace(**fields)
             else:
                 merged.append(p)
         full = merged

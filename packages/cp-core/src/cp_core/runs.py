@@ -1,0 +1,158 @@
+"""Every rank's index map as runs of consecutive global positions.
+
+A layout assigns each rank a few long runs of the stream: a head-tail layout two per rank, a
+per-document split two per document, a chunk dispatch one per chunk. Kept as runs, what one
+rank knows about every other rank costs O(runs), not O(tokens): the attention schedule, the
+layout check and the layout's description are computed from them, and the ``[cp, n_local]``
+index tensor a gather needs is expanded only when a gather first asks for it
+(:func:`install_lazy_indices`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class RankRuns:
+    """Per rank, in local order, the global ``starts`` and ``lengths`` of its runs.
+
+    Adjacent runs that continue each other are merged and empty runs dropped on construction
+    (:meth:`build`), so two layouts with the same index maps have the same runs.
+    """
+
+    starts: tuple[np.ndarray, ...]
+    lengths: tuple[np.ndarray, ...]
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.starts)
+
+    def num_local(self, rank: int) -> int:
+        """Tokens rank ``rank`` holds."""
+        return int(self.lengths[rank].sum())
+
+    def local_offsets(self, rank: int) -> np.ndarray:
+        """Local row of the first token of each of ``rank``'s runs."""
+        lens = self.lengths[rank]
+        return np.cumsum(lens) - lens
+
+    def local_indices(self, rank: int, device: torch.device | str | None = None
+                      ) -> torch.Tensor:
+        """``[n_local]`` int64 global positions of ``rank``'s tokens, in local order."""
+        return _expand(self.starts[rank], self.lengths[rank], device)
+
+    def all_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``[cp, n_local]`` index map of every rank (every rank holds the same count)."""
+        counts = {self.num_local(r) for r in range(self.size)}
+        if len(counts) > 1:
+            raise ValueError(f"ranks hold different token counts {sorted(counts)}: no "
+                             "[cp, n_local] index map")
+        if self.size == 0:
+            return torch.zeros(0, 0, dtype=torch.long, device=device)
+        return torch.stack([self.local_indices(r, device) for r in range(self.size)])
+
+    def describe(self) -> tuple[tuple[int, ...], ...]:
+        """A hashable, exact description (what the layout check compares across ranks)."""
+        return tuple(tuple(np.stack([s, n], 1).reshape(-1).tolist())
+                     for s, n in zip(self.starts, self.lengths))
+
+    @classmethod
+    def build(cls, starts: Any, lengths: Any) -> "RankRuns":
+        """Runs from per-rank arrays: ``starts [cp, R]`` (or a list of 1-D arrays) and
+        ``lengths`` of the same form or one ``[R]`` shared by every rank."""
+        st = [np.asarray(s, dtype=np.int64).reshape(-1) for s in _rows(starts)]
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.detach().to("cpu").numpy()
+        arr = lengths if isinstance(lengths, np.ndarray) else None
+        if arr is None and not any(isinstance(x, (list, tuple, np.ndarray, torch.Tensor))
+                                   for x in lengths):
+            arr = np.asarray(lengths, dtype=np.int64)
+        if arr is not None and arr.ndim == 1:
+            ln = [arr.astype(np.int64)] * len(st)
+        else:
+            ln = [np.asarray(n, dtype=np.int64).reshape(-1) for n in _rows(lengths)]
+        merged = [_merge(s, n) for s, n in zip(st, ln)]
+        return cls(tuple(m[0] for m in merged), tuple(m[1] for m in merged))
+
+    @classmethod
+    def from_indices(cls, rank_indices: torch.Tensor) -> "RankRuns":
+        """The runs of a ``[cp, n_local]`` index map (O(tokens): for maps given as tensors)."""
+        starts, lengths = [], []
+        for row in rank_indices:
+            idx = row.detach().to("cpu", torch.int64).numpy()
+            if idx.size == 0:
+                starts.append(np.zeros(0, np.int64))
+                lengths.append(np.zeros(0, np.int64))
+                continue
+            cut = np.flatnonzero(idx[1:] - idx[:-1] != 1) + 1
+            bounds = np.concatenate(([0], cut, [idx.size]))
+            starts.append(idx[bounds[:-1]])
+            lengths.append(np.diff(bounds))
+        return cls(tuple(starts), tuple(lengths))
+
+
+def _rows(x: Any) -> list[Any]:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu").numpy()
+    if isinstance(x, np.ndarray):
+        return list(x) if x.ndim == 2 else [x]
+    return list(x)
+
+
+def _merge(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
+    if starts.size < 2:
+        return starts, lengths
+    # A run that starts where the previous one ends continues it.
+    new = np.concatenate(([True], starts[1:] != starts[:-1] + lengths[:-1]))
+    group = np.cumsum(new) - 1
+    return starts[new], np.bincount(group, weights=lengths).astype(np.int64)
+
+
+def _expand(starts: np.ndarray, lengths: np.ndarray, device: torch.device | str | None
+            ) -> torch.Tensor:
+    n = int(lengths.sum())
+    if starts.size == 1:
+        s = int(starts[0])
+        return torch.arange(s, s + n, dtype=torch.long, device=device)
+    st = torch.from_numpy(starts).to(device)
+    ln = torch.from_numpy(lengths).to(device)
+    local_start = torch.cumsum(ln, 0) - ln
+    offsets = torch.repeat_interleave(st - local_start, ln, output_size=n)
+    return offsets.add_(torch.arange(n, device=device))
+
+
+def install_lazy_indices(cls: type, name: str, runs_field: str) -> None:
+    """Make dataclass field ``name`` of ``cls`` computed from ``runs_field`` when read while
+    unset, then kept.
+
+    The frozen dataclass's ``__init__`` assigns fields with ``object.__setattr__``, which goes
+    through this property's setter, so constructors, ``dataclasses.replace`` and equality keep
+    working unchanged; only a read of a layout built from runs pays for the expansion.
+    """
+    slot = f"_lazy_{name}"
+
+    def get(self: Any) -> Any:
+        value = self.__dict__.get(slot)
+        if value is None:
+            runs = getattr(self, runs_field)
+            if runs is not None:
+                value = runs.all_indices()
+                self.__dict__[slot] = value
+        return value
+
+    def put(self: Any, value: Any) -> None:
+        self.__dict__[slot] = value
+
+    setattr(cls, name, property(get, put, doc=f"``{name}`` (expanded from ``{runs_field}`` "
+                                               "when read while unset)"))
+
+
+__all__ = ["RankRuns", "install_lazy_indices"]

@@ -1,0 +1,89 @@
+"""The vectorised p2p schedule and the run-length index maps it is computed from.
+
+``schedule_from_runs`` (array operations, what the runtime uses) must give exactly the pieces
+and ranges of ``build_schedule``, the per-triple Python definition that
+``test_attention_slices.py`` checks against a pair-by-pair truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import torch
+
+from cp_core.attention.p2p import build_schedule, rank_runs, schedule_from_runs
+from cp_core.attention.rects import document_rects
+from cp_core.layout import ShardLayout
+from cp_core.runs import RankRuns
+
+
+def _random_ids(rng: random.Random, bsz: int, seq: int) -> torch.Tensor:
+    ids = torch.zeros(bsz, seq, dtype=torch.long)
+    for b in range(bsz):
+        pos, doc = 0, 1
+        while pos < seq:
+            n = rng.randint(1, seq)
+            ids[b, pos:pos + n] = doc if rng.random() > 0.15 else 0
+            doc += 1
+            pos += n
+    return ids
+
+
+def _layout(rng: random.Random, seq: int, cp: int, trial: int) -> torch.Tensor:
+    if rng.random() < 0.5:
+        gen = torch.Generator().manual_seed(trial)
+        return torch.randperm(seq, generator=gen).view(cp, seq // cp)
+    chunk = seq // (2 * cp)
+    rows = [list(range(r * chunk, (r + 1) * chunk))
+            + list(range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)) for r in range(cp)]
+    return torch.tensor(rows)
+
+
+def _canonical(sched):
+    return (sorted(sched.local),
+            [(s.src, s.recv_ranges, sorted(s.pieces), s.dst, s.send_ranges) for s in sched.steps])
+
+
+def test_vectorised_schedule_equals_the_python_definition():
+    rng = random.Random(0)
+    for trial in range(250):
+        cp = rng.choice([1, 2, 3, 4, 8])
+        seq = 2 * cp * rng.choice([1, 2, 4, 8, 20])
+        ids = _random_ids(rng, rng.choice([1, 2]), seq)
+        kind = rng.choice(["causal", "bidirectional", "sliding_window", "chunked"])
+        rects = document_rects(ids, kind, window=rng.randint(1, 9), chunk=rng.randint(1, 9))
+        layout = _layout(rng, seq, cp, trial)
+        runs, table = rank_runs(layout), RankRuns.from_indices(layout)
+        for r in range(cp):
+            want = _canonical(build_schedule(rects, runs, r))
+            got = _canonical(schedule_from_runs(rects, table, r))
+            assert got == want, (trial, r, cp, kind)
+
+
+def test_rank_runs_merge_and_expand():
+    runs = RankRuns.build([[0, 4, 12, 20], [8, 16, 24, 28]], [4, 4, 4, 0])
+    # 0-4 and 4-8 continue each other; the empty run is dropped.
+    assert runs.starts[0].tolist() == [0, 12] and runs.lengths[0].tolist() == [8, 4]
+    assert runs.local_indices(1).tolist() == [8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+    idx = torch.tensor([[3, 4, 5, 9, 0], [1, 2, 6, 7, 8]])
+    back = RankRuns.from_indices(idx)
+    assert torch.equal(back.all_indices(), idx)
+    assert back.describe() == RankRuns.build([[3, 9, 0], [1, 6]],
+                                             [[3, 1, 1], [2, 3]]).describe()
+
+
+def test_layout_from_runs_expands_indices_only_when_read():
+    runs = RankRuns.build(np.array([[0, 12], [4, 8]]), np.array([4, 4]))
+    layout = ShardLayout(local_token_global_indices=runs.local_indices(1), rank_runs=runs,
+                         cp_rank=1, cp_size=2)
+    assert "_lazy_rank_global_indices" not in layout.__dict__ or \
+        layout.__dict__["_lazy_rank_global_indices"] is None
+    assert layout.rank_global_indices.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15],
+                                                   [4, 5, 6, 7, 8, 9, 10, 11]]
+    # replace() and equality see the same map; a layout given a tensor keeps it.
+    assert torch.equal(dataclasses.replace(layout, cp_rank=0).rank_global_indices,
+                       layout.rank_global_indices)
+    given = torch.arange(6).view(2, 3)
+    assert ShardLayout(rank_global_indices=given).rank_global_indices is given
