@@ -4,7 +4,8 @@ Two rows of 16 tokens: row 0 holds documents of 5 and 6 tokens then 5 pad, row 1
 4, 3 and 7 tokens then 2 pad. Each form describes those documents with a different source
 (``_packed_seq_ids``, restarting ``position_ids``, ``seq_lens``, flat ``cu_seqlens``, a 4-D
 block mask, an indexed 2-D mask), with or without ``position_ids``, with a pad hole inside a
-document, or with a first document whose positions do not start at 0. Pad tokens carry label
+document, or with a first document whose positions do not start at 0, or with the pad at the
+start of each row and a hole inside a document. Pad tokens carry label
 -100. Every backend must give the same loss and gradients on every form as
 :func:`cp_core.testing.truth.truth_step`.
 """
@@ -78,13 +79,23 @@ def _form(name: str) -> dict[str, Any]:
         return {**batch, "attention_mask": block_causal_mask(ids), "position_ids": _relative(ids)}
     if name == "indexed_mask":
         return {**batch, "attention_mask": ids.clone()}
+    if name == "left_padding_and_hole":  # the pad tail moved to the front, one hole inside
+        lead = (ids == 0).sum(dim=1).tolist()
+        rows = [[torch.roll(t[b], n).tolist() for b, n in enumerate(lead)]
+                for t in (ids, batch["input_ids"], batch["labels"])]
+        ids, tokens, labels = (torch.tensor(r) for r in rows)
+        valid = (ids != 0).long()
+        valid[1, lead[1] + 5] = 0  # the second token of row 1's second document
+        return {"input_ids": tokens, "labels": labels.masked_fill(valid == 0, -100),
+                "position_ids": _relative(ids), "attention_mask": valid}
     raise KeyError(name)
 
 
 FORMS: tuple[str, ...] = ("packed_ids_with_positions", "packed_ids_no_positions",
                           "restarting_positions", "seq_lens", "cu_seqlens_flat",
                           "pad_hole_in_document",
-                          "restart_not_at_zero", "block_mask_4d", "indexed_mask")
+                          "restart_not_at_zero", "block_mask_4d", "indexed_mask",
+                          "left_padding_and_hole")
 
 
 def packed_form(name: str) -> dict[str, Any]:
