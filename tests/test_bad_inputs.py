@@ -580,10 +580,24 @@ def test_case(case: Case) -> None:
 
 
 def test_valid_base_batch_shards_everywhere() -> None:
-    """The rows' errors come from the bad input alone: the base batch shards on every backend."""
+    """The rows' errors come from the bad input alone: the base batch shards on every backend,
+    every rank of it, the ranks' labels together are exactly the caller's (as a multiset, so
+    no layout map is trusted) and the batch is left intact."""
+    checked = 0
     for backend in ALL:
-        if loadable(backend):
-            do_shard(backend, base_batch())
+        if not loadable(backend):
+            continue
+        batch = base_batch()
+        snap = snapshot(batch)
+        size = 1 if backend == "identity" else CP
+        held: list[int] = []
+        for rank in range(size):
+            _, local = sharder(backend, size, rank).shard(batch)
+            held += [v for v in local["labels"].reshape(-1).tolist() if v != -100]
+        assert sorted(held) == sorted(batch["labels"].reshape(-1).tolist()), backend
+        assert_unchanged(batch, snap)
+        checked += 1
+    assert checked >= 4, "fewer backends loaded than cp-core's own"
 
 
 # -- the docs table ------------------------------------------------------------------------------
