@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from cp_core.config import CPBackendConfig
+from cp_core.backend_api import CPBackendConfig
 from cp_core.backend_api import Backend, ContextParallelSharder, per_chunk_multiple
 from cp_magi.magi_kernels import check_magi_mode
 from cp_magi.sharder import check_chunk_size, shard_batch_magi

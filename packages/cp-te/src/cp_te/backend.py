@@ -10,10 +10,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-from cp_core.boundaries import DEFAULT_SENTINEL
-from cp_core.config import CPBackendConfig
-from cp_core.registry import Backend
-from cp_core.sharder import ContextParallelSharder
+from cp_core.backend_api import DEFAULT_SENTINEL, Backend, ContextParallelSharder, CPBackendConfig
 from cp_te.sharder import shard_batch_thd
 
 #: Keys of ``CPBackendConfig.common_shard_kwargs`` that the THD sharder understands.
