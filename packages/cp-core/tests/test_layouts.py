@@ -209,6 +209,19 @@ def test_extra_seq_buffers_use_their_own_seq_dim() -> None:
                                   extra_seq_buffers={"vision_group": 1})
 
 
+def test_extra_seq_keys_is_the_one_name_and_extra_seq_buffers_its_alias() -> None:
+    batch = {"input_ids": torch.ones(1, 6, dtype=torch.long), "labels": torch.ones(1, 6).long(),
+             "vision_group": torch.arange(6).view(1, 1, 6).float()}
+    mesh = SimulatedCPMesh(1, 2)
+    outs = [shard_batch_load_balanced(mesh, None, batch, extra_seq_keys={"vision_group": 2})[1],
+            shard_batch_load_balanced(mesh, None, batch, extra_seq_buffers={"vision_group": 2})[1],
+            shard_batch_aux_only(mesh, None, batch, None, 0, {"vision_group": 2})[1]]
+    assert all(o["vision_group"].tolist() == outs[0]["vision_group"].tolist() for o in outs)
+    with pytest.raises(TypeError, match="not both"):
+        shard_batch_load_balanced(mesh, None, batch, extra_seq_keys={"vision_group": 2},
+                                  extra_seq_buffers={"vision_group": 2})
+
+
 @pytest.mark.parametrize("cp,pad_multiple", [(1, 1), (1, 4), (4, 1), (4, 3)])
 def test_aux_only_leaves_primary_full_and_matches_in_forward_slice(cp: int, pad_multiple: int) -> None:
     batch = _batch(2, 13, embeds=True)

@@ -293,20 +293,34 @@ def shard_batch_contiguous(
                    transport=transport, transport_options=transport_options)
 
 
+def _extra_seq_keys(extra_seq_keys: Mapping[str, int] | None,
+                    extra_seq_buffers: Mapping[str, int] | None) -> Mapping[str, int] | None:
+    """``extra_seq_buffers`` is NeMo AutoModel's name of ``extra_seq_keys`` (docs/nemo.md)."""
+    if extra_seq_buffers is None:
+        return extra_seq_keys
+    if extra_seq_keys is not None:
+        raise TypeError("pass extra_seq_keys or its NeMo spelling extra_seq_buffers, not both")
+    return extra_seq_buffers
+
+
 def shard_batch_load_balanced(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
-    padding_token_id: int = 0, extra_seq_buffers: Mapping[str, int] | None = None, *,
+    padding_token_id: int = 0, extra_seq_keys: Mapping[str, int] | None = None, *,
     pad_multiple: int = 1, tp_size: int = 1, sequence_parallel: bool = False,
     block_size: int = 1, shard_primary: bool = True, attention: AttentionKind = "causal",
     window: int | None = None, chunk: int | None = None, transport: Callable | None = None,
     transport_options: Mapping[str, Any] | None = None,
+    extra_seq_buffers: Mapping[str, int] | None = None,
 ) -> ShardResult:
     """Round-robin head-tail shard: pad to ``2*cp`` (times the per-chunk multiple), rank r
     keeps chunks r and ``2*cp-1-r``. Pad slots: ``input_ids`` 0 (they sit after every real
-    token and carry -100 labels), labels -100, padding_mask True, floats 0."""
-    nb, docs = normalize_with_documents(batch, loss_mask=loss_mask,
-                                        extra_seq_keys=extra_seq_buffers,
-                                        materialize_positions=False)
+    token and carry -100 labels), labels -100, padding_mask True, floats 0.
+    ``extra_seq_keys`` (NeMo's spelling ``extra_seq_buffers`` is accepted too): more
+    token-aligned keys and their sequence dims."""
+    nb, docs = normalize_with_documents(
+        batch, loss_mask=loss_mask, extra_seq_keys=_extra_seq_keys(extra_seq_keys,
+                                                                   extra_seq_buffers),
+        materialize_positions=False)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
     out, layout = shard_normalized(
@@ -319,7 +333,7 @@ def shard_batch_load_balanced(
 
 def shard_batch_aux_only(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
-    padding_token_id: int = 0, extra_seq_buffers: Mapping[str, int] | None = None,
+    padding_token_id: int = 0, extra_seq_keys: Mapping[str, int] | None = None,
     **kwargs: Any,
 ) -> ShardResult:
     """Round-robin shard of the auxiliary streams only; the primary stays full length.
@@ -334,7 +348,7 @@ def shard_batch_aux_only(
             f"the aux-only layout needs 'labels'; the batch has keys {sorted(batch)}"
         )
     return shard_batch_load_balanced(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id,
-                                      extra_seq_buffers, shard_primary=False, **kwargs)
+                                      extra_seq_keys, shard_primary=False, **kwargs)
 
 
 def _shard_sequence(cp_mesh: Any, tensor: torch.Tensor, seq_dim: int, pad_value: float | int,
