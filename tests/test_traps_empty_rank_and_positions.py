@@ -1,12 +1,12 @@
-"""Two traps of issue 10 on every installed backend: a rank with no valid token, and RoPE positions.
+"""Two traps on every installed backend: a rank with no valid token, and RoPE positions.
 
-10.2: at CP=4, a batch shorter than the layout's number of chunks leaves some ranks holding
+A rank with no valid token: at CP=4, a batch shorter than the layout's number of chunks leaves some ranks holding
 only padding. Their attention queries have no allowed key (a fully masked softmax row: NaN in
 a naive implementation), their loss has no label token (0/0). With real gloo ranks, every
 backend, the transport and the loss helper must give finite results, a zero loss contribution
 and exactly zero gradients on those ranks.
 
-10.6: every backend must hand each rank the document-relative positions of the tokens it holds,
+Positions: every backend must hand each rank the document-relative positions of the tokens it holds,
 after its permutation and per-document padding, 3-axis mRoPE ``[3, B, S]`` included where the
 backend accepts it. Each rank's ``position_ids`` are written back at the rank's global indices
 and read out in the caller's coordinates, then compared with positions computed here from the
@@ -39,7 +39,7 @@ def cp_backends() -> list[str]:
     return [b for b in BACKENDS if b != "identity" and loadable(b)]
 
 
-# -- 10.6 positions after the permutation ----------------------------------------------------
+# -- positions after the permutation ----------------------------------------------------------
 
 DOCS = [[5, 3, 6], [2, 9, 3]]  # two rows of 14 tokens, several documents each
 SEQ = 14
@@ -109,7 +109,7 @@ def test_mrope_positions_follow_the_tokens(backend: str) -> None:
     assert torch.equal(got, mrope), (backend, got, mrope)
 
 
-# -- 10.2 a rank with no valid tokens ---------------------------------------------------------
+# -- a rank with no valid tokens ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

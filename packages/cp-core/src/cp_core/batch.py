@@ -104,8 +104,8 @@ def convert_attention_mask_to_padding_mask(batch: dict[str, Any]) -> None:
     """Pop a 2-D ``attention_mask`` (1 == attend) and add ``padding_mask`` (True == pad).
 
     Idempotent: a no-op without ``attention_mask``; when ``padding_mask`` already exists the
-    attention mask is only dropped. Mutates ``batch`` in place (the seed contract); the
-    sharders call it on their own copy. A 4-D mask is not a padding mask and raises.
+    attention mask is only dropped. Mutates ``batch`` in place (NeMo AutoModel's
+    contract, docs/nemo.md); the sharders call it on their own copy. A 4-D mask is not a padding mask and raises.
     """
     mask = batch.get("attention_mask")
     if mask is None:

@@ -12,7 +12,7 @@ then gives exactly the unsharded gradient.
 
 Token counts must be taken over every rank whose tokens enter the mean: over a ``dp x cp``
 mesh, each DP replica sees different data, so :func:`count_label_tokens` counts over all of
-the mesh's ranks (issue 10, item 5).
+the mesh's ranks.
 """
 
 from __future__ import annotations

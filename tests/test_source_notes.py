@@ -1,0 +1,28 @@
+"""Source comments and docstrings explain the code, not the project's history.
+
+A maintainer reading ``(issue 10, item 5)`` or ``as the seed`` learns nothing from the line:
+the reason belongs in the text itself (NeMo AutoModel's contract, docs/nemo.md, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("packages/cp-core/src", "packages/cp-te/src", "packages/cp-magi/src",
+           "packages/cp-blockdiag/src", "examples/cp-plugin-example/src", "tools")
+#: An issue number, or "the seed" meaning the code this project started from (not a random
+#: seed: "a pure function of the seed" is fine).
+HISTORY = re.compile(r"\bissues? #?\d+|\b(as|from|in|like) the seeds?\b|\bthe seeds?'?s? "
+                     r"(contract|version|code|rule|sharder)|\(the seeds?\)", re.IGNORECASE)
+
+
+def test_no_source_cites_issue_numbers_or_the_seed() -> None:
+    hits = []
+    for src in SOURCES:
+        for path in sorted((ROOT / src).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if HISTORY.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
