@@ -16,9 +16,10 @@ validated by the backend's pydantic model when the sharder is built, never by na
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from cp_core.registry import Registry, default_registry
 
@@ -28,6 +29,21 @@ CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 #: Config group of the backends.
 CP_GROUP = "cp"
 
+#: The backends an app selected (``cp=<name>``, every name of a sweep); None: every installed
+#: one. Set by :func:`only_backends` so the search-path plugin, which Hydra runs inside the
+#: app, imports no plugin that nobody asked for.
+_selected: list[tuple[str, ...] | None] = [None]
+
+
+@contextlib.contextmanager
+def only_backends(names: Sequence[str]) -> Iterator[None]:
+    """Within the block, :func:`register_backend_configs` stores (and imports) only ``names``."""
+    old, _selected[0] = _selected[0], tuple(names)
+    try:
+        yield
+    finally:
+        _selected[0] = old
+
 
 def register_backend_configs(config_dir: Path | Sequence[Path] | None = None,
                              registry: Registry | None = None) -> dict[str, Exception]:
@@ -35,8 +51,9 @@ def register_backend_configs(config_dir: Path | Sequence[Path] | None = None,
 
     ``config_dir``: an application's own config directory (or several); a backend with a YAML
     in a ``cp/`` folder there is left to that YAML (its stale stored node is dropped, since
-    Hydra would otherwise merge it into the YAML as a schema). Returns the backends that
-    failed to load: each is warned about and never hides the others.
+    Hydra would otherwise merge it into the YAML as a schema). Inside :func:`only_backends`
+    only the selected backends are imported and stored. Returns the backends that failed to
+    load: each is warned about and never hides the others.
     """
     from hydra.core.config_store import ConfigStore
 
@@ -49,8 +66,9 @@ def register_backend_configs(config_dir: Path | Sequence[Path] | None = None,
     for name in have_yaml:
         stored.pop(f"{name}.yaml", None)
     errors: dict[str, Exception] = {}
+    selected = _selected[0]
     for name in registry.available():
-        if name in have_yaml:
+        if name in have_yaml or selected is not None and name not in selected:
             continue
         try:
             cs.store(group=CP_GROUP, name=name, node=registry.get(name).default_node(),
@@ -74,5 +92,5 @@ def compose_app_config(config_name: str = "cp_plan", overrides: Sequence[str] = 
         return compose(config_name=config_name, overrides=list(overrides))
 
 
-__all__ = ["CONFIG_MODULE", "CONFIG_PATH", "CP_GROUP", "register_backend_configs",
-           "compose_app_config"]
+__all__ = ["CONFIG_MODULE", "CONFIG_PATH", "CP_GROUP", "only_backends",
+           "register_backend_configs", "compose_app_config"]

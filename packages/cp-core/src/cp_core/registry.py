@@ -138,7 +138,9 @@ class Registry:
                 raise CPBackendNotFoundError(self._not_found(name, eps))
             try:
                 obj = eps[name].load()
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: a plugin's import must not end us
                 raise CPBackendLoadError(
                     f"CP backend {name!r} ({eps[name].value}) is installed but failed to import: "
                     f"{type(exc).__name__}: {exc}"

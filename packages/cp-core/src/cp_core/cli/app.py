@@ -20,16 +20,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from cp_core.errors import CPBackendNotFoundError, CPBatchError, CPConfigError
-from cp_core.hydra_config import CONFIG_PATH, CP_GROUP, compose_app_config, register_backend_configs
+from cp_core.errors import CPBackendLoadError, CPBackendNotFoundError, CPBatchError, CPConfigError
+from cp_core.hydra_config import (CONFIG_PATH, CP_GROUP, compose_app_config, only_backends,
+                                  register_backend_configs)
 from cp_core.registry import Registry, default_registry
 
 #: CP size of the apps when ``cp.size`` is unset (no mesh exists yet to take it from).
 APP_DEFAULT_CP_SIZE = 2
 
 #: Errors that are the user's: reported in one line with exit code 2 (the rest keep tracebacks).
+#: A selected plugin that fails to import is the installation's problem, not a bug of the app:
+#: one line naming the plugin and its error.
 USER_ERRORS: tuple[type[BaseException], ...] = (CPConfigError, CPBackendNotFoundError,
-                                                CPBatchError)
+                                                CPBackendLoadError, CPBatchError)
 
 
 class CLIUsageError(Exception):
@@ -87,8 +90,11 @@ def _choices(override: Any) -> list[str]:
 
 
 def check_overrides(spec: AppSpec, overrides: Sequence[str],
-                    registry: Registry | None = None) -> None:
-    """Raise :class:`CLIUsageError` for an override that cannot be right (see module doc)."""
+                    registry: Registry | None = None) -> list[str]:
+    """Raise :class:`CLIUsageError` for an override that cannot be right (see module doc).
+
+    Returns the selected backends (``cp=<name>``, each of a sweep, else the app's default):
+    the only ones imported."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -136,6 +142,7 @@ def check_overrides(spec: AppSpec, overrides: Sequence[str],
             if sub not in valid:
                 raise CLIUsageError(f"unknown key {head}.{sub}{_did_you_mean(sub, valid)}; "
                                     f"valid keys: {', '.join(valid)}")
+    return backends
 
 
 def validate_section(name: str, model: type[BaseModel], values: Any) -> BaseModel:
@@ -190,14 +197,25 @@ def _hydra_args(argv: Sequence[str]) -> Any:
 
 def run_app(spec: AppSpec, task: Callable[[Any], Any], argv: Sequence[str]) -> int:
     """Check the command line, then run ``task`` as the Hydra app ``spec``; the exit code."""
+    args = _hydra_args(argv)  # argparse itself exits 2 on an unknown flag
+    argv = list(argv)
+    try:
+        selected = check_overrides(spec, args.overrides)
+    except (CLIUsageError, *USER_ERRORS) as exc:
+        return _report(spec, exc)
+    # Only the selected backends are imported (here and by the search-path plugin inside
+    # hydra.main): an unselected plugin's import-time code never runs.
+    with only_backends(selected):
+        return _run_selected(spec, task, args, argv, selected)
+
+
+def _run_selected(spec: AppSpec, task: Callable[[Any], Any], args: Any, argv: list[str],
+                  selected: Sequence[str]) -> int:
     import hydra
     from omegaconf import OmegaConf
 
-    args = _hydra_args(argv)  # argparse itself exits 2 on an unknown flag
-    argv = list(argv)
     register_backend_configs()
     try:
-        check_overrides(spec, args.overrides)
         just_show = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
         if not args.multirun and not just_show:
             try:
@@ -213,7 +231,8 @@ def run_app(spec: AppSpec, task: Callable[[Any], Any], argv: Sequence[str]) -> i
     if args.help:
         from cp_core.cli.help import store_help
 
-        argv.insert(0, f"hydra/help={store_help(spec)}")  # before any flag: argparse wants it so
+        # Before any flag: argparse wants it so.
+        argv.insert(0, f"hydra/help={store_help(spec, selected)}")
     saved, sys.argv = sys.argv, [spec.prog, *argv]  # hydra.main reads the command line there
     try:
         hydra.main(version_base=None, config_path=CONFIG_PATH,

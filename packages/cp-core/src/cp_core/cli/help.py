@@ -1,14 +1,15 @@
 """``--help`` of cp-core's Hydra apps, written from the pydantic field docs.
 
 Hydra prints the ``hydra/help`` config of the app; this module builds that text (the app, its
-flags, every installed backend, every key with its one-line doc and default) and stores it as a
+flags, every installed backend (only the selected ones are imported and described; the
+others by entry-point name), every key with its one-line doc and default) and stores it as a
 ``hydra/help`` node. Hydra appends the composed config, so ``cp-plan cp=magi --help`` also
 shows magi's values with the user's overrides applied.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from pydantic import BaseModel
 
@@ -49,12 +50,29 @@ def key_lines(prefix: str, model: type[BaseModel], names: Iterable[str]) -> list
     return lines
 
 
-def help_text(spec: AppSpec) -> str:
-    """The whole ``--help`` text of ``spec`` (before Hydra substitutes ``$CONFIG``)."""
+def _load(selected: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Exception]]:
+    """The backends to describe: ``selected`` only (None: every installed one)."""
+    registry = default_registry()
+    if selected is None:
+        return registry.load_all()
+    loaded, errors = {}, {}
+    for name in selected:
+        try:
+            loaded[name] = registry.get(name)
+        except Exception as exc:  # reported in the listing, never hidden
+            errors[name] = exc
+    return loaded, errors
+
+
+def help_text(spec: AppSpec, selected: Sequence[str] | None = None) -> str:
+    """The whole ``--help`` text of ``spec`` (before Hydra substitutes ``$CONFIG``).
+
+    ``selected``: the backends chosen on the command line, described in full; the other
+    installed ones are listed by entry-point name and never imported."""
     from cp_core.cli.app import APP_DEFAULT_CP_SIZE
 
-    registry = default_registry()
-    loaded, errors = registry.load_all()
+    loaded, errors = _load(selected)
+    others = [n for n in default_registry().available() if n not in loaded and n not in errors]
     sections = " ".join(f"{name}.<key>=<value>" for name in spec.sections)
     lines = [f"{spec.prog}: {spec.summary}", "",
              f"usage: {spec.prog} [cp=<backend>] [cp.<key>=<value>] [{sections}] [flags]", "",
@@ -64,6 +82,8 @@ def help_text(spec: AppSpec) -> str:
     lines += ["", f"backends (cp=<name>, default {spec.default_backend}; every installed one):"]
     lines += [f"  {name:<12} {' '.join(b.description.split())}" for name, b in loaded.items()]
     lines += [f"  {name:<12} installed but failed to load: {exc}" for name, exc in errors.items()]
+    if others:
+        lines += [f"  {name:<12} (not imported; cp={name} --help describes it)" for name in others]
     common = list(CPBackendConfig.model_fields)
     lines += ["", f"cp.<key>, every backend (cp.size unset: {APP_DEFAULT_CP_SIZE} ranks here; in "
               "build_sharder the mesh's size):"]
@@ -81,13 +101,14 @@ def help_text(spec: AppSpec) -> str:
     return body + "\n\ncomposed config (with your overrides):\n\n$CONFIG\n"
 
 
-def store_help(spec: AppSpec) -> str:
-    """Store the help of ``spec`` as a ``hydra/help`` option; returns the option's name."""
+def store_help(spec: AppSpec, selected: Sequence[str] | None = None) -> str:
+    """Store the help of ``spec`` (describing ``selected``) as a ``hydra/help`` option; returns
+    the option's name."""
     from hydra.core.config_store import ConfigStore
 
     name = spec.config_name
     node: dict[str, Any] = {"app_name": spec.prog, "header": "", "footer": "",
-                            "template": help_text(spec)}
+                            "template": help_text(spec, selected)}
     ConfigStore.instance().store(group="hydra/help", name=name, node=node, provider="cp_core")
     return name
 
