@@ -24,6 +24,7 @@ from cp_core.attention.transport import allgather_sdpa
 from cp_core.errors import CPAttentionError, CPConfigError
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
+from cp_core.testing.batches import packed_row
 from cp_magi import magi_kernels
 from cp_magi.magi_kernels import (
     MagiKernelTransport,
@@ -94,17 +95,7 @@ def reference_ffa_old(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_range
 
 def packed_batch(lens: list[int], seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """One row of documents of ``lens`` then pad up to ``seq``."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(1, seq, dtype=torch.long)
-    pos = torch.zeros(1, seq, dtype=torch.long)
-    s = 0
-    for d, n in enumerate(lens):
-        ids[0, s:s + n] = d + 1
-        pos[0, s:s + n] = torch.arange(n)
-        s += n
-    tok = torch.randint(1, 50, (1, seq), generator=g).masked_fill(ids == 0, 0)
-    return {"input_ids": tok, "labels": tok.masked_fill(ids == 0, -100), "position_ids": pos,
-            "_packed_seq_ids": ids}
+    return packed_row(lens, seq, seed)
 
 
 def rank_plans(batch: dict, cp: int, **cfg) -> list[AttentionPlan]:

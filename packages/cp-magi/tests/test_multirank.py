@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.registry import build_sharder
+from cp_core.testing import batches
 from cp_core.testing.conformance import ConformanceSuite, cp_rank_pool  # noqa: F401
 from cp_core.testing.multirank import RankPool
 from cp_core.testing.parity import (
@@ -54,24 +55,7 @@ class TestMagiGreedyConformance(ConformanceSuite):
 
 def packed_batch(lens_per_row: list[list[int]], seq: int, seed: int) -> dict:
     """A packed batch with document-relative positions and per-document next-token labels."""
-    g = torch.Generator().manual_seed(seed)
-    bsz = len(lens_per_row)
-    ids = torch.zeros(bsz, seq, dtype=torch.long)
-    pos = torch.arange(seq).repeat(bsz, 1)
-    for b, lens in enumerate(lens_per_row):
-        s = 0
-        for d, n in enumerate(lens):
-            ids[b, s:s + n] = d + 1
-            pos[b, s:s + n] = torch.arange(n)
-            s += n
-    pad = ids == 0
-    tok = torch.randint(1, MODEL.vocab_size, (bsz, seq), generator=g).masked_fill(pad, 0)
-    nxt = tok.roll(-1, 1)
-    last = (ids != ids.roll(-1, 1)) | pad
-    last[:, -1] = True
-    labels = nxt.masked_fill(last, -100)
-    return {"input_ids": tok, "labels": labels, "position_ids": pos, "_packed_seq_ids": ids,
-            "padding_mask": pad}
+    return batches.packed_batch(lens_per_row, seq, seed, vocab=MODEL.vocab_size)
 
 
 def shared_prefix_batch(seed: int) -> dict:

@@ -10,27 +10,9 @@ import torch
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder, get_backend
+from cp_core.testing.batches import packed_batch
 from cp_magi.mask import AttnRectangles
 from cp_magi.sharder import choose_chunking
-
-
-def packed_batch(lens_per_row: list[list[int]], seq: int, seed: int = 0) -> dict:
-    """input_ids/labels/position_ids/_packed_seq_ids/padding_mask for rows of documents."""
-    g = torch.Generator().manual_seed(seed)
-    bsz = len(lens_per_row)
-    ids = torch.zeros(bsz, seq, dtype=torch.long)
-    pos = torch.zeros(bsz, seq, dtype=torch.long)
-    for b, lens in enumerate(lens_per_row):
-        s = 0
-        for d, n in enumerate(lens):
-            ids[b, s:s + n] = d + 1
-            pos[b, s:s + n] = torch.arange(n)
-            s += n
-    pad = ids == 0
-    tok = torch.randint(1, 50, (bsz, seq), generator=g).masked_fill(pad, 0)
-    labels = tok.roll(-1, 1).masked_fill(pad, -100)
-    return {"input_ids": tok, "labels": labels, "position_ids": pos, "_packed_seq_ids": ids,
-            "padding_mask": pad}
 
 
 def shard_all(cfg: dict, batch: dict, cp: int):
