@@ -4,9 +4,9 @@ A collator may pad on the left, leave pad holes inside a document, or pad on the
 backend that reads only trailing padding, or that fills its own pad slots with 0 instead of
 ``padding_token_id``, trains on garbage without an error. Every installed backend shards such
 batches on every simulated rank, and each local slot is checked against the caller's batch
-by plain loops: a slot that holds caller token ``(b, s)`` carries that token's id, label,
-position (the caller's, else ``s``) and pad flag; a slot the layout added carries
-``padding_token_id``, label -100 and pad True. For te_thd, ``cu_seqlens_padded`` and
+by plain loops (:mod:`cp_core.testing.fills`): a slot that holds caller token ``(b, s)``
+carries that token's id, label, position (the caller's, else ``s``) and pad flag; a slot the
+layout added carries ``padding_token_id``, label -100 and pad True. For te_thd, ``cu_seqlens_padded`` and
 ``cu_seqlens_unpadded`` are recomputed from the documents by loops (never across input
 formats). Parity of such batches with the truth runs in ``test_cross_backend.py`` (form
 ``left_padding``).
@@ -23,6 +23,7 @@ import torch
 from cp_core.errors import CPConfigError
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
+from cp_core.testing.fills import check_local_fills
 from cp_core.testing.multirank import load_module_file
 
 _installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
@@ -80,51 +81,14 @@ def _sharder(backend: str, cp: int, rank: int, **extra: Any) -> tuple[Any, int]:
         return build_sharder({"backend": backend, "size": cp, **extra}, mesh), 0
 
 
-def _slot_sources(layout: Any, bsz: int, seq: int) -> list[list[tuple[int, int] | None]]:
-    """Per local row, per local slot: the caller token ``(b, s)`` it holds, or None."""
-    idx = layout.local_token_global_indices.tolist()
-    stream = layout.input_token_stream_positions
-    if stream is None:  # rows: global index g is column g of every row
-        return [[(b, g) if g < seq else None for g in idx] for b in range(bsz)]
-    where: dict[int, tuple[int, int]] = {}
-    for b, row in enumerate(stream.tolist()):
-        for s, slot in enumerate(row):
-            if slot >= 0:
-                where[slot] = (b, s)
-    return [[where.get(g) for g in idx]]
-
-
 def check_fills(backend: str, cp: int, with_positions: bool, **extra: Any) -> None:
     batch, docs = caller_batch(with_positions)
-    bsz, seq = batch["input_ids"].shape
     pad = [[d == 0 for d in row] for row in docs]
     for rank in range(cp):
         sharder, pad_id = _sharder(backend, cp, rank, **extra)
         _, local = sharder.shard(batch)
-        layout = sharder.shard_layout
-        sources = _slot_sources(layout, bsz, seq)
-        n = len(sources[0])
-        got = {k: local[k].reshape(len(sources), -1).tolist() for k in
-               ("input_ids", "labels", "position_ids", "padding_mask")
-               if isinstance(local.get(k), torch.Tensor) and local[k].shape[-1] == n}
-        assert {"labels", "padding_mask", "position_ids"} <= set(got), (backend, sorted(got))
-        for r, row in enumerate(sources):
-            for k, src in enumerate(row):
-                where = (backend, cp, rank, with_positions, r, k, src)
-                if src is None:  # a slot the layout added
-                    assert got["labels"][r][k] == -100, where
-                    assert got["padding_mask"][r][k], where
-                    if "input_ids" in got:
-                        assert got["input_ids"][r][k] == pad_id, where
-                    continue
-                b, s = src
-                assert got["labels"][r][k] == int(batch["labels"][b, s]), where
-                assert bool(got["padding_mask"][r][k]) == pad[b][s], where
-                if "input_ids" in got:
-                    assert got["input_ids"][r][k] == int(batch["input_ids"][b, s]), where
-                if not pad[b][s]:  # the RoPE position of a real token
-                    want = int(batch["position_ids"][b, s]) if with_positions else s
-                    assert got["position_ids"][r][k] == want, where
+        check_local_fills(batch, pad, local, sharder.shard_layout, pad_id,
+                          where=(backend, cp, rank, with_positions, extra))
 
 
 @pytest.mark.parametrize("with_positions", [True, False], ids=["positions", "no_positions"])

@@ -132,9 +132,10 @@ def _sees(i: int, j: int, first: int, window: int | None, chunk: int | None) -> 
 
 
 def truth_mask(batch: Mapping[str, Any], window: int | None = None,
-               chunk: int | None = None) -> torch.Tensor:
-    """Bool ``[B, 1, S, S]``: query i may see key j (same document, both real, j <= i; within
-    ``window`` tokens, or the same ``chunk`` of the document, when given).
+               chunk: int | None = None, causal: bool = True) -> torch.Tensor:
+    """Bool ``[B, 1, S, S]``: query i may see key j (same document, both real, j <= i unless
+    ``causal`` is False; within ``window`` tokens, or the same ``chunk`` of the document, when
+    given).
 
     Pad query rows see only themselves (their outputs are never read; this keeps SDPA finite).
     """
@@ -147,7 +148,7 @@ def truth_mask(batch: Mapping[str, Any], window: int | None = None,
         for j, d in enumerate(docs[b]):
             first.setdefault(d, j)
         for i in range(seq):
-            for j in range(i + 1):
+            for j in range(i + 1 if causal else seq):
                 same = docs[b][i] != 0 and docs[b][i] == docs[b][j]
                 allowed[b, 0, i, j] = same and _sees(i, j, first[docs[b][i]], window, chunk)
     if isinstance(mask4, torch.Tensor) and mask4.dim() == 4:
@@ -197,12 +198,14 @@ def explicit_mask_sdpa(mask: torch.Tensor) -> Iterator[None]:
 
 
 def truth_step(model: nn.Module, batch: Mapping[str, Any], *, window: int | None = None,
-               chunk: int | None = None, mask: torch.Tensor | None = None
-               ) -> tuple[float, dict[str, torch.Tensor]]:
+               chunk: int | None = None, mask: torch.Tensor | None = None,
+               causal: bool = True) -> tuple[float, dict[str, torch.Tensor]]:
     """``(loss, gradients)`` of the unsharded model on ``batch`` under the truth mask, the loss
-    being the mean ``F.cross_entropy`` over the labels that are not -100 (a copy of ``model``
+    being the mean ``F.cross_entropy`` over the labels that are not -100, 0 when there are
+    none (a copy of ``model``
     is used; the caller's gradients are untouched). ``window`` / ``chunk``: sliding-window
-    or chunked attention within each document; ``mask``: an allowed-pair matrix
+    or chunked attention within each document; ``causal=False``: bidirectional within each
+    document; ``mask``: an allowed-pair matrix
     ``[B, 1, S, S]`` the caller built for a mask kind the loops here do not know."""
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
@@ -211,11 +214,16 @@ def truth_step(model: nn.Module, batch: Mapping[str, Any], *, window: int | None
         kwargs["input_ids"] = batch["input_ids"]
     else:
         kwargs["inputs_embeds"] = batch["inputs_embeds"]
-    with explicit_mask_sdpa(truth_mask(batch, window, chunk) if mask is None else mask):
+    if mask is None:
+        mask = truth_mask(batch, window, chunk, causal)
+    with explicit_mask_sdpa(mask):
         logits = ref(**kwargs)
     labels = batch["labels"].long()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                           ignore_index=-100)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    if bool((labels != -100).any()):
+        loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100)
+    else:  # no target at all: a zero loss with zero gradients (the CP loss's convention)
+        loss = flat.sum() * 0.0
     loss.backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in ref.named_parameters()}
