@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -225,5 +226,5 @@ def test_dropout_heads_and_length_errors():
     # An unknown transport is refused when the context is entered, before any model code runs.
     with pytest.raises(CPAttentionError, match=r"unknown attention transport cp.transport='nope'"
                                                r".*'allgather', 'p2p', 'ulysses'"):
-        with activate_plan(_plan(**{"transport": None, "impl": "nope"})):
+        with activate_plan(dataclasses.replace(_plan(), options={"transport": "nope"})):
             pass

@@ -27,7 +27,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from cp_blockdiag.routing import EXCHANGES, build_route
-from cp_blockdiag.runtime import BlockDiagState, activate_state, blockdiag_transport
+from cp_blockdiag.runtime import BlockDiagState, RoutedTransport, activate_state
 from cp_core.backend_api import (
     AttentionKind,
     CPConfigError,
@@ -80,10 +80,8 @@ def _finish(nb: Any, cp_mesh: Any, docs: Documents, out: dict[str, Any],
     ids = docs.padded(int(layout.padded_seq_len or nb.seq_len))
     mask = DocumentMask(ids, document_positions(ids), attention, window, chunk)
     route = build_route(ids, cp_size(cp_mesh), cp_rank(cp_mesh), exchange)
-    options = {**dict(transport_options or {}), "exchange": route.exchange,
-               "blockdiag_route": route}
-    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=blockdiag_transport,
-                     options=options)
+    plan = make_plan(cp_mesh, layout, mask, attention=attention,
+                     transport=RoutedTransport(route), options=transport_options)
     layout = dataclasses.replace(layout, extras={"exchange": route.exchange,
                                                  "document_source": docs.source})
     state = BlockDiagState(plan, route)

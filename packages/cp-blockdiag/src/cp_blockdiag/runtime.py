@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -90,23 +90,35 @@ def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
                         *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         is_causal: bool = False, scale: float | None = None,
                         enable_gqa: bool = False) -> torch.Tensor:
-    """cp_core transport entry (``plan.transport``): serve one intercepted SDPA call.
+    """cp_core transport entry: serve one intercepted SDPA call.
 
-    The route comes from the active state when it belongs to ``plan``, else from
-    ``plan.options["blockdiag_route"]`` (a plan activated without the blockdiag context).
+    The route comes from the active state when it belongs to ``plan``, else from the
+    :class:`RoutedTransport` the blockdiag sharder put on ``plan.transport`` (a plan
+    activated without the blockdiag context).
     """
     state = _STATE.get()
     if state is None or state.plan is not plan:
-        route = plan.options.get("blockdiag_route")
-        if not isinstance(route, KVRoute):
+        if not isinstance(plan.transport, RoutedTransport):
             raise CPAttentionError(
                 "the blockdiag transport was called without its step state; run the model "
                 "inside the ctx_factory() returned by the blockdiag sharder"
             )
-        state = BlockDiagState(plan, route)
+        state = BlockDiagState(plan, plan.transport.route)
     resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
     check_local_shapes(q, k, v, plan, enable_gqa)
     return _local_attention(q, k, v, state, scale)
+
+
+@dataclass(frozen=True)
+class RoutedTransport:
+    """``plan.transport`` of a blockdiag step: :func:`blockdiag_transport` with the step's
+    K/V route bound to it (a typed record, not an entry of the plan's option bag)."""
+
+    route: KVRoute
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                 **sdpa_kwargs: Any) -> torch.Tensor:
+        return blockdiag_transport(q, k, v, plan, **sdpa_kwargs)
 
 
 def cp_blockdiag_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -136,5 +148,6 @@ __all__ = [
     "current_state",
     "activate_state",
     "blockdiag_transport",
+    "RoutedTransport",
     "cp_blockdiag_sdpa",
 ]

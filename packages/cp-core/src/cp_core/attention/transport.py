@@ -272,7 +272,7 @@ def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
         return plan.transport
     from cp_core.attention.transports import DEFAULT_TRANSPORT, get_transport
 
-    name = plan.options.get("transport") or plan.options.get("impl") or DEFAULT_TRANSPORT
+    name = plan.options.get("transport") or DEFAULT_TRANSPORT
     try:
         return get_transport(str(name))
     except CPConfigError as exc:
