@@ -1,4 +1,5 @@
-"""The framework ``shard_batch`` implementations and the in-forward slicing helpers.
+"""The framework ``shard_batch`` implementations (the in-forward slicing helpers that match
+them live in :mod:`cp_core.in_forward`, re-exported here).
 
 identity (no-op), contiguous, round-robin head-tail (load balanced) and aux-only (the primary
 stream left full length for a model that embeds and slices it in its own forward). All of
@@ -38,6 +39,7 @@ from cp_core.layout import (
     round_robin_local_indices,
     round_up,
 )
+from cp_core.in_forward import shard_sequence_for_cp_contiguous, shard_sequence_for_cp_round_robin
 from cp_core.mesh import cp_rank, cp_size
 from cp_core.padding import contiguous_divisor, per_chunk_multiple, round_robin_divisor
 
@@ -349,43 +351,6 @@ def shard_batch_aux_only(
         )
     return shard_batch_load_balanced(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id,
                                       extra_seq_keys, shard_primary=False, **kwargs)
-
-
-def _shard_sequence(cp_mesh: Any, tensor: torch.Tensor, seq_dim: int, pad_value: float | int,
-                    divisor: int, index_fn: IndexFn) -> tuple[torch.Tensor, torch.Tensor, int]:
-    dim = seq_dim % tensor.dim()
-    seq = tensor.shape[dim]
-    padded = round_up(seq, divisor)
-    idx = index_fn(cp_mesh, padded, tensor.device)
-    if padded == seq and cp_size(cp_mesh) == 1:
-        # CP inactive and nothing to pad: hand back the caller's tensor itself (no copy, and
-        # code that checks ``local is full`` to skip CP-only work keeps working).
-        return tensor, idx, padded
-    t = pad_seq_dim(tensor, dim, padded - seq, pad_value)
-    return t.index_select(dim, idx), idx, padded
-
-
-def shard_sequence_for_cp_round_robin(
-    cp_mesh: Any, tensor: torch.Tensor, seq_dim: int = 1, pad_value: float | int = 0,
-    pad_multiple: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Pad to ``2*cp*pad_multiple`` and keep chunks r and ``2*cp-1-r`` inside a model forward
-    (differentiable, so gradients reach the embeddings). ``pad_multiple`` is the per-chunk
-    multiple the aux-only sharder was configured with. Returns ``(local, local_indices,
-    padded_seq_len)``; at CP size 1 only the per-chunk multiple pads (as the batch path).
-    """
-    divisor = round_robin_divisor(cp_size(cp_mesh), pad_multiple)
-    return _shard_sequence(cp_mesh, tensor, seq_dim, pad_value, divisor, round_robin_local_indices)
-
-
-def shard_sequence_for_cp_contiguous(
-    cp_mesh: Any, tensor: torch.Tensor, seq_dim: int = 1, pad_value: float | int = 0,
-    pad_multiple: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Pad to ``cp * max(pad_multiple, 2)`` and keep this rank's contiguous slice
-    (differentiable). Returns ``(local, local_indices, padded_seq_len)``."""
-    divisor = contiguous_divisor(cp_size(cp_mesh), pad_multiple)
-    return _shard_sequence(cp_mesh, tensor, seq_dim, pad_value, divisor, contiguous_local_indices)
 
 
 __all__ = [
