@@ -33,6 +33,13 @@ _log = logging.getLogger(__name__)
 #: Vocabulary of the synthetic token ids (their values never change a plan).
 _VOCAB = 1000
 
+#: Most ranks cp-plan simulates: every rank is planned in this one process, and the cost
+#: grows faster than the rank count (1024 ranks of an 8192-token row: about a minute).
+MAX_PLAN_RANKS = 1024
+#: Most token slots (rows x row length) of a synthetic batch: 8192 rows of 1024 or one row of
+#: 8M (more would allocate tens of GB and run for minutes before printing anything).
+MAX_PLAN_TOKENS = 1 << 23
+
 
 class PlanConfig(BaseModel):
     """The ``plan:`` section of the Hydra config (``plan.<key>=<value>`` on the command line)."""
@@ -44,10 +51,10 @@ class PlanConfig(BaseModel):
     docs is set, else ``histogram``."""
     docs: list[int] | list[list[int]] | None = None
     """Document lengths of one packed row ``[300,200,500]`` or of several ``[[300,200],[500]]``."""
-    seq_len: int | None = Field(None, ge=1)
+    seq_len: int | None = Field(None, ge=1, le=MAX_PLAN_TOKENS)
     """Row length: histogram rows hold this many tokens (8192 when unset); explicit docs rows
     are padded up to it when set."""
-    rows: int = Field(1, ge=1)
+    rows: int = Field(1, ge=1, le=MAX_PLAN_TOKENS)
     """Number of rows drawn from the histogram."""
     seed: int = 0
     """Seed of the histogram draw (and of the synthetic token ids)."""
@@ -91,6 +98,35 @@ def _source(pc: PlanConfig) -> str:
     if pc.batch_file is not None and pc.docs is not None:
         raise CPConfigError("set only one of plan.docs and plan.batch_file (or plan.source)")
     return "file" if pc.batch_file is not None else "docs" if pc.docs is not None else "histogram"
+
+
+def check_plan_size(cp_size: Any, pc: PlanConfig) -> None:
+    """Refuse a plan too large to simulate in one process (``cp.size`` ranks, the synthetic
+    batch's token slots) and document lengths without a document, naming the key."""
+    if isinstance(cp_size, int) and cp_size > MAX_PLAN_RANKS:
+        raise CPConfigError(
+            f"cp.size={cp_size}: cp-plan simulates every rank in this process and takes at most "
+            f"{MAX_PLAN_RANKS} ranks; plan a smaller cp.size (build_sharder on a real mesh has "
+            "no such limit)")
+    source = _source(pc)
+    if source == "docs":
+        assert pc.docs is not None
+        rows = [list(r) for r in pc.docs] if pc.docs and isinstance(pc.docs[0], list) \
+            else [list(pc.docs)]  # type: ignore[arg-type]
+        if not any(rows):
+            raise CPConfigError(f"plan.docs={pc.docs} has no document; give the lengths of a "
+                                "row, e.g. plan.docs=[300,200,500] (rows: [[300,200],[500]])")
+        row_len = max(pc.seq_len or 0, *(sum(r) for r in rows))
+        slots, what = len(rows) * row_len, (f"plan.docs: {len(rows)} row(s) x {row_len:,} "
+                                            "tokens")
+    elif source == "histogram":
+        row_len = pc.seq_len or DEFAULT_HISTOGRAM_SEQ_LEN
+        slots, what = pc.rows * row_len, f"plan.rows={pc.rows} x plan.seq_len={row_len}"
+    else:
+        return
+    if slots > MAX_PLAN_TOKENS:
+        raise CPConfigError(f"{what} = {slots:,} token slots; cp-plan simulates at most "
+                            f"{MAX_PLAN_TOKENS:,} (plan a shorter or smaller batch)")
 
 
 def load_batch(pc: PlanConfig) -> tuple[dict[str, Any], str]:
@@ -191,6 +227,7 @@ def plan_from_config(cp: Mapping[str, Any], plan: Mapping[str, Any] | None = Non
     (``plot_suffix`` is inserted before the picture's extension, e.g. per multirun job).
     Without matplotlib the report says so and names the install line instead of a picture."""
     pc = parse_plan_config(plan)
+    check_plan_size(cp.get("size"), pc)
     batch, description = load_batch(pc)
     layout_plan = plan_layout(dict(cp), batch)
     text = format_plan(layout_plan, description, _shape(batch))
@@ -217,6 +254,7 @@ def plan_from_config(cp: Mapping[str, Any], plan: Mapping[str, Any] | None = Non
 def _validate(data: Mapping[str, Any]) -> None:
     """A single run's checks beyond the models: where the batch comes from."""
     pc = parse_plan_config(data.get("plan"))
+    check_plan_size(with_app_cp_size(data.get("cp") or {}).get("size"), pc)
     if _source(pc) == "file" and not Path(str(pc.batch_file)).expanduser().is_file():
         raise CPConfigError(f"plan.batch_file={pc.batch_file} does not exist; give the path of a "
                             "torch.save'd batch dict")
@@ -319,5 +357,6 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-__all__ = ["PlanConfig", "parse_plan_config", "load_batch", "format_plan", "format_comparison",
+__all__ = ["PlanConfig", "parse_plan_config", "check_plan_size", "MAX_PLAN_RANKS",
+           "MAX_PLAN_TOKENS", "load_batch", "format_plan", "format_comparison",
            "plan_from_config", "PLOT_INSTALL", "SPEC", "main"]
