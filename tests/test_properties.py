@@ -219,7 +219,11 @@ def backend_options(backend: str) -> st.SearchStrategy[dict[str, Any]]:
         "blockdiag": {"exchange": st.sampled_from(["auto", "allgather"]),
                       "aux_only": st.booleans()},
     }.get(backend, {})
-    keys = st.fixed_dictionaries({}, optional={**common, **own})
+    from cp_core.registry import get_backend
+
+    fields = get_backend(backend).config_model.model_fields  # keys this version knows
+    keys = st.fixed_dictionaries({}, optional={k: v for k, v in {**common, **own}.items()
+                                               if k in fields})
     return st.builds(lambda a, b: {**a, **b}, keys, KINDS)
 
 
