@@ -47,11 +47,14 @@ def shard_all(backend: str, cp: int, batch: dict[str, Any]) -> tuple[list[Any], 
 def back_to_caller(layouts: list[Any], pieces: list[torch.Tensor], seq: int) -> torch.Tensor:
     """Write every rank's local ``[..., n]`` tensor at its global indices; return ``[..., B, S]``.
 
-    Row layouts give ``[..., B, n]`` per rank, flat layouts ``[..., n]`` (the caller's rows
-    are found through ``input_token_stream_positions``; slots of dropped tokens read -1).
+    Row layouts give ``[..., B, n]`` per rank, flat layouts ``[..., n]`` or their row
+    ``[..., 1, n]`` (the caller's rows are found through ``input_token_stream_positions``;
+    slots of dropped tokens read -1).
     """
     padded = layouts[0].padded_seq_len
     positions = layouts[0].input_token_stream_positions
+    if layouts[0].input_row_shape is not None:  # a flat layout's [..., 1, n] row (cp.rows)
+        pieces = [p.squeeze(-2) if p.dim() >= 2 and p.shape[-2] == 1 else p for p in pieces]
     lead = pieces[0].shape[:-1]
     full = torch.full((*lead, padded), -1, dtype=pieces[0].dtype)
     for lay, piece in zip(layouts, pieces):

@@ -166,7 +166,8 @@ def test_shared_prefix_cp1_matches_dense_masked_sdpa(monkeypatch: pytest.MonkeyP
     """CP=1 under the rectangle mask equals plain SDPA with an independently built dense mask."""
     batch = shared_prefix_batch(0)
     model = ReferenceDecoder(MODEL)
-    sharder = build_sharder({"backend": "magi", "size": 1, "mask": "shared_prefix"}, None)
+    sharder = build_sharder({"backend": "magi", "size": 1, "mask": "shared_prefix",
+                             "rows": False}, None)  # the flat stream, indexed below
     ctx, local = sharder.shard(batch)
     with ctx():
         got = model(input_ids=local["input_ids"], position_ids=local["position_ids"])

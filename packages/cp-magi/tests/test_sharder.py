@@ -56,7 +56,7 @@ def test_local_tokens_are_chunks_in_ascending_order_and_balanced() -> None:
 def test_local_batch_flat_with_pad_fills_and_positions() -> None:
     batch = packed_batch([[5, 9], [11]], 16)
     before = {k: v.clone() for k, v in batch.items()}
-    (s, local), = shard_all({"backend": "magi", "padding_token_id": 7}, batch, 1)
+    (s, local), = shard_all({"backend": "magi", "padding_token_id": 7, "rows": False}, batch, 1)
     lay = s.shard_layout
     assert local["input_ids"].shape == (lay.padded_seq_len,)
     flat_ids = torch.cat([batch["input_ids"][0], batch["input_ids"][1]])
@@ -73,7 +73,7 @@ def test_positions_are_each_rows_arange_when_absent() -> None:
     del batch["position_ids"]
     for cfg in ({"backend": "magi"}, {"backend": "magi", "mask": "shared_prefix"}):
         (_, local), = shard_all(cfg, batch, 1)
-        assert local["position_ids"][:16].tolist() == list(range(16)), cfg
+        assert local["position_ids"][0, :16].tolist() == list(range(16)), cfg  # a [1, T] row
 
 
 def test_document_sources_agree_and_conflicts_raise() -> None:
@@ -120,7 +120,7 @@ def test_caller_rectangles() -> None:
 def test_token_verbs_before_and_after_shard() -> None:
     from cp_core.errors import CPLayoutError
 
-    s = build_sharder({"backend": "magi", "size": 2}, SimulatedCPMesh(1, 2))
+    s = build_sharder({"backend": "magi", "size": 2, "rows": False}, SimulatedCPMesh(1, 2))
     x = torch.arange(30.0).view(1, 30)
     with pytest.raises(CPLayoutError):
         s.shard_token_tensor(x)

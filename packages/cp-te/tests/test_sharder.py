@@ -72,7 +72,8 @@ def test_local_batch_matches_per_document_reference(cp: int) -> None:
         batch, docs = _batch(seed)
         slots, lengths = _reference_stream(docs, cp)
         for r in range(cp):
-            sharder = build_sharder({"backend": "te_thd", "size": cp, "padding_token_id": 7},
+            sharder = build_sharder({"backend": "te_thd", "size": cp, "padding_token_id": 7,
+                                     "rows": False},
                                     SimulatedCPMesh(r, cp))
             _, out = sharder.shard(batch)
             idx = reference_partitioned_indices(lengths, cp, r)
@@ -101,7 +102,7 @@ def test_local_batch_matches_per_document_reference(cp: int) -> None:
 def test_caller_position_ids_are_kept_and_continue_through_pad() -> None:
     batch, docs = _batch(0)
     pos = torch.arange(S).expand(2, S) + 100
-    sharder = build_sharder({"backend": "te_thd", "size": 2}, SimulatedCPMesh(0, 2))
+    sharder = build_sharder({"backend": "te_thd", "size": 2, "rows": False}, SimulatedCPMesh(0, 2))
     _, out = sharder.shard({**batch, "position_ids": pos})
     slots, lengths = _reference_stream(docs, 2)
     idx = reference_partitioned_indices(lengths, 2, 0)
@@ -118,10 +119,10 @@ def test_caller_position_ids_are_kept_and_continue_through_pad() -> None:
 def test_mrope_positions_are_sharded_on_their_seq_dim() -> None:
     batch, _ = _batch(1)
     pos3 = torch.stack([torch.arange(S).expand(2, S) * k for k in (1, 2, 3)])
-    sharder = build_sharder({"backend": "te_thd", "size": 2}, SimulatedCPMesh(1, 2))
+    sharder = build_sharder({"backend": "te_thd", "size": 2, "rows": False}, SimulatedCPMesh(1, 2))
     _, out = sharder.shard({**batch, "position_ids": pos3})
     assert out["position_ids"].shape == (3, out["input_ids"].shape[0])
-    plain = build_sharder({"backend": "te_thd", "size": 2}, SimulatedCPMesh(1, 2))
+    plain = build_sharder({"backend": "te_thd", "size": 2, "rows": False}, SimulatedCPMesh(1, 2))
     _, ref = plain.shard({**batch, "position_ids": pos3[0]})
     lay = sharder.shard_layout
     kept = torch.isin(lay.local_token_global_indices, lay.input_token_stream_positions)
@@ -135,7 +136,7 @@ def test_inputs_embeds_are_sharded_differentiably() -> None:
     batch, _ = _batch(2)
     emb = torch.randn(2, S, 5, requires_grad=True)
     b = {k: v for k, v in batch.items() if k != "input_ids"}
-    sharder = build_sharder({"backend": "te_thd", "size": 3}, SimulatedCPMesh(2, 3))
+    sharder = build_sharder({"backend": "te_thd", "size": 3, "rows": False}, SimulatedCPMesh(2, 3))
     _, out = sharder.shard({**b, "inputs_embeds": emb})
     local = out["inputs_embeds"]
     assert local.shape == (sharder.shard_layout.num_local_tokens, 5)
@@ -188,7 +189,7 @@ def test_token_verbs_in_caller_coordinates() -> None:
 
 def test_size_one_gather_trims_back_to_rows() -> None:
     batch, _ = _batch(2)
-    sharder = build_sharder({"backend": "te_thd", "size": 1}, None)
+    sharder = build_sharder({"backend": "te_thd", "size": 1, "rows": False}, None)
     sharder.shard(batch)
     x = torch.randn(2, S, 4)
     local = sharder.shard_token_tensor(x, fill=0.0)

@@ -8,7 +8,8 @@ interface, frozen by ``packages/cp-core/tests/test_public_surface.py``.
 
 What a backend's ``shard_batch`` is built from, in the order it uses them:
 
-* the records it returns or registers: :class:`Backend`, :class:`CPBackendConfig`,
+* the records it returns or registers: :class:`Backend`, :class:`CPBackendConfig` (and
+  :class:`FlatStreamConfig` for a layout that flattens the rows into one stream),
   :class:`ContextParallelSharder`, :class:`ShardLayout`;
 * the CP mesh, read only through :func:`cp_rank` / :func:`cp_size` / :func:`cp_group`;
 * the batch normaliser (:func:`normalize_batch`, :func:`normalize_with_documents`) and the
@@ -49,7 +50,7 @@ from cp_core.batch import (
 )
 from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
 from cp_core.comm import differentiable_all_gather, record_collective
-from cp_core.config import CPBackendConfig
+from cp_core.config import CPBackendConfig, FlatStreamConfig
 from cp_core.documents import (
     Documents,
     document_positions,
@@ -108,7 +109,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     # records
     "Backend", "CPBackendConfig", "ContextParallelSharder", "ShardLayout", "CtxFactory",
-    "ShardResult", "IndexFn",
+    "ShardResult", "IndexFn", "FlatStreamConfig",
     # mesh
     "CPMeshLike", "SimulatedCPMesh", "cp_rank", "cp_size", "cp_group",
     # batch normaliser and resolvers

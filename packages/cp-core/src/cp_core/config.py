@@ -137,4 +137,14 @@ class CPBackendConfig(BaseModel):
         }
 
 
-__all__ = ["CPBackendConfig"]
+class FlatStreamConfig(CPBackendConfig):
+    """Fields of backends whose layout flattens the ``[B, S]`` rows into one token stream
+    (``ShardLayout.input_row_shape`` set: te_thd, magi)."""
+
+    rows: bool = True
+    """Local token tensors as one row [1, T_local] (the [B, S] form Hugging Face models take;
+    shard_token_tensor of [B, S] tensors too), so switching from a row layout changes nothing
+    else in a training loop; false: the flat [T_local] stream (THD, as TE kernels take it)."""
+
+
+__all__ = ["CPBackendConfig", "FlatStreamConfig"]

@@ -55,6 +55,11 @@ class ContextParallelSharder:
         verify_layout: check with one small collective per ``shard`` that every CP rank was
             fed the same batch and computed the same layout.
         loss_mask: default ``loss_mask`` of :meth:`shard` when the call passes none.
+        rows: flat-stream layouts (``input_row_shape`` set) hand their local token tensors
+            as one row ``[1, T_local]`` (the ``[B, S]`` form models take), in :meth:`shard`'s
+            batch and from :meth:`shard_token_tensor` of ``[B, S]`` tensors, instead of the
+            flat ``[T_local]``; row layouts are unaffected. :meth:`gather_token_tensor`
+            accepts both forms either way.
     """
 
     shard_batch: ShardBatchFn
@@ -65,6 +70,7 @@ class ContextParallelSharder:
     shard_layout: ShardLayout | None
     verify_layout: bool
     loss_mask: torch.Tensor | None
+    rows: bool
 
     def __init__(
         self,
@@ -81,6 +87,7 @@ class ContextParallelSharder:
         tp_mesh: Any = None,
         verify_layout: bool = False,
         config: Any = None,
+        rows: bool = False,
     ) -> None:
         """Build a sharder from its callables, or resolve one through the registry.
 
@@ -103,6 +110,7 @@ class ContextParallelSharder:
             shard_batch, local_token_global_indices = (built.shard_batch,
                                                        built.local_token_global_indices)
             padding_token_id, verify_layout = built.padding_token_id, built.verify_layout
+            rows = built.rows
             meshes = Meshes(built.cp_mesh, built.tp_mesh)
         assert shard_batch is not None
         self.shard_batch = shard_batch
@@ -112,6 +120,7 @@ class ContextParallelSharder:
         self.shard_layout = shard_layout
         self.verify_layout = verify_layout
         self.loss_mask = loss_mask
+        self.rows = rows
 
     # -- verbs -------------------------------------------------------------------------------
 
@@ -141,6 +150,8 @@ class ContextParallelSharder:
 
             verify_layout_agreement(self.cp_mesh, batch, layout)
         self.shard_layout = layout
+        if self.rows and layout is not None and layout.input_row_shape is not None:
+            out = _as_rows(out, layout)
         return ctx_factory, out
 
     def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1,
@@ -164,6 +175,7 @@ class ContextParallelSharder:
         padded = self._stream_len(layout)
         positions = layout.input_token_stream_positions
         per_row = positions is not None and layout.input_row_shape is None
+        as_row = False  # a flat layout's [B, S] input comes back as [1, T_local] (rows=True)
         if positions is not None and dim >= 1 and tuple(tensor.shape[dim - 1:dim + 1]) == tuple(
                 positions.shape):
             if per_row:  # repositioned rows: scatter each row into its padded row
@@ -174,6 +186,7 @@ class ContextParallelSharder:
             else:  # flat stream: the caller's [B, S] become one token dim
                 tensor = rows_to_stream(tensor, dim, positions, padded, fill)
                 dim -= 1
+                as_row = self.rows
         elif not per_row and positions is not None and tensor.shape[dim] == positions.numel():
             # The caller's rows already flattened ([B*S]): their order is the caller's, not
             # the stream's (per-document pad sits between documents), so map through the
@@ -193,8 +206,9 @@ class ContextParallelSharder:
             tensor = pad_seq_dim(tensor, dim, pad, fill)
         else:
             raise CPBatchError(self._length_error(tensor, dim, layout, padded))
-        return shard_token_tensor_by_indices(
+        local = shard_token_tensor_by_indices(
             tensor, self._indices(padded, tensor.device, "shard_token_tensor"), dim)
+        return local.unsqueeze(dim) if as_row else local
 
     def gather_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False,
                             fill: float | int | None = None, grad_mode: str = "slice"
@@ -218,12 +232,18 @@ class ContextParallelSharder:
             # names its token dim, one lower (the two verbs are inverse with equal arguments).
             seq_dim -= 1
         dim = self._flat_stream_dim(tensor, self._dim(tensor, seq_dim), layout, local.numel())
+        # A flat layout's local row [1, T_local] (rows=True, or cp_core.hf.model_rows): gather
+        # its token dim; the row comes back as [1, padded], or as the caller's [B, S].
+        row = (layout.input_row_shape is not None and dim >= 1
+               and tensor.shape[dim] == local.numel() and tensor.shape[dim - 1] == 1)
+        if row:
+            tensor, dim = tensor.squeeze(dim - 1), dim - 1
         full = gather_token_tensor_by_indices(
             self.cp_mesh, tensor, local, dim, rank_indices=self._rank_indices(layout, padded),
             grad_mode=grad_mode,
         )
         if not trim:
-            return full
+            return full.unsqueeze(dim) if row else full
         if full.shape[dim] != padded:
             raise CPBatchError(
                 f"the gathered tensor has {full.shape[dim]} tokens on dim {dim}, but the layout "
@@ -366,6 +386,24 @@ class ContextParallelSharder:
                                f"on dims ({dim - 1}, {dim})")
         return (f"tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim "
                 f"{dim}; this layout accepts {', '.join(accepted)}")
+
+
+def _as_rows(local: dict[str, Any], layout: ShardLayout) -> dict[str, Any]:
+    """A flat-stream shard's token tensors as one row: a ``1`` inserted before the first dim
+    of ``T_local`` tokens (``[T] -> [1, T]``, ``[T, H] -> [1, T, H]``, mRoPE ``[3, T] ->
+    [3, 1, T]``); other values (boundary tensors such as ``cu_seqlens``) unchanged."""
+    n = layout.num_local_tokens
+    out: dict[str, Any] = {}
+    for key, value in local.items():
+        if isinstance(value, torch.Tensor) and n in value.shape[:2] and key not in _NOT_TOKENS \
+                and not key.startswith(("cu_seqlens", "max_seqlen")):
+            value = value.unsqueeze(list(value.shape).index(n))
+        out[key] = value
+    return out
+
+
+#: Keys of a flat shard's batch that are not token-aligned (never turned into rows).
+_NOT_TOKENS = frozenset({"seq_lens", "seq_lens_padded"})
 
 
 def _can_communicate(cp_mesh: Any) -> bool:

@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from cp_core.backend_api import CPBackendConfig
-from cp_core.backend_api import Backend, ContextParallelSharder, per_chunk_multiple
+from cp_core.backend_api import (Backend, ContextParallelSharder, FlatStreamConfig,
+                                 per_chunk_multiple)
 from cp_magi.magi_kernels import check_magi_mode
 from cp_magi.sharder import check_chunk_size, shard_batch_magi
 
 
-class MagiConfig(CPBackendConfig):
+class MagiConfig(FlatStreamConfig):
     """MagiAttention-style dispatch: equal chunks, assigned to ranks to balance attention work."""
 
     chunk_size: int | None = Field(None, ge=1)
@@ -69,7 +69,7 @@ def make_sharder(cfg: MagiConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextP
     return ContextParallelSharder(shard_batch=shard, local_token_global_indices=None,
                                   cp_mesh=cp_mesh, tp_mesh=tp_mesh,
                                   padding_token_id=cfg.padding_token_id,
-                                  verify_layout=cfg.verify_layout)
+                                  verify_layout=cfg.verify_layout, rows=cfg.rows)
 
 
 BACKEND = Backend("magi", MagiConfig, make_sharder, MagiConfig.__doc__ or "")

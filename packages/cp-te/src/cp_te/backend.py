@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-from cp_core.backend_api import DEFAULT_SENTINEL, Backend, ContextParallelSharder, CPBackendConfig
+from cp_core.backend_api import DEFAULT_SENTINEL, Backend, ContextParallelSharder, FlatStreamConfig
 from cp_te.sharder import shard_batch_thd
 
 #: Keys of ``CPBackendConfig.common_shard_kwargs`` that the THD sharder understands.
@@ -18,7 +18,7 @@ _SHARD_KWARGS = ("pad_multiple", "block_size", "sequence_parallel", "tp_size", "
                  "window", "chunk", "transport_options")
 
 
-class TeThdConfig(CPBackendConfig):
+class TeThdConfig(FlatStreamConfig):
     """TransformerEngine THD: packed documents, each split in 2*cp chunks; rank r holds
     chunks r and 2*cp-1-r of every document."""
 
@@ -40,7 +40,7 @@ def _factory(cfg: TeThdConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextPara
         shard_batch=partial(shard_batch_thd, seq_lens_sentinel=cfg.seq_lens_sentinel,
                             cp_comm_type=cfg.cp_comm_type, use_te=cfg.use_te, **kwargs),
         local_token_global_indices=None, cp_mesh=cp_mesh, tp_mesh=tp_mesh,
-        padding_token_id=cfg.padding_token_id, verify_layout=cfg.verify_layout,
+        padding_token_id=cfg.padding_token_id, verify_layout=cfg.verify_layout, rows=cfg.rows,
     )
 
 

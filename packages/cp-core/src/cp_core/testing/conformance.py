@@ -163,6 +163,8 @@ class ConformanceSuite:
             stream = None
             for sharder, _ in ranks:
                 part = sharder.shard_token_tensor(x, seq_dim=1, fill=0.0)
+                if sharder.shard_layout.input_row_shape is not None and part.dim() == 3:
+                    part = part.squeeze(0)  # a flat layout's [1, T_local] row (cp.rows)
                 idx = sharder.shard_layout.local_token_global_indices
                 sdim = part.dim() - 2  # the token dim: 1 for rows, 0 for a flat stream
                 if stream is None:
