@@ -3,16 +3,15 @@ SDPA with an explicit document mask, forward and backward, blocked and unblocked
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from cp_core.attention.kernel import blocked_attention
 from cp_core.attention.plan import DocumentMask
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import reference_attention
 
-ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
+ref = reference_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ from cp_core.attention.intercept import activate_plan, active_plan
 from cp_core.attention.plan import AttentionPlan, DocumentMask
 from cp_core.errors import CPAttentionError
 from cp_core.framework import shard_batch_identity
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import reference_attention
 
-ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
+ref = reference_attention
 
 SEQ = 12
 ROWS = [[5, 4], [8]]  # row 0: two documents and 3 pad; row 1: one document and 4 pad

@@ -1,6 +1,6 @@
 """blocked_attention against an independent dense float64 reference.
 
-Masks of the reference are written out pair by pair (tests/attention_reference.py); the
+Masks of the reference are written out pair by pair (cp_core.testing.reference_attention); the
 kernel sees the same pairs through DocumentMask with queries and keys named by (shuffled)
 global indices, as under CP.
 """
@@ -8,7 +8,6 @@ global indices, as under CP.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ import torch
 from cp_core.attention.kernel import block_sizes, blocked_attention
 from cp_core.attention.plan import DocumentMask
 from cp_core.errors import CPAttentionError
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import reference_attention
 
-ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
+ref = reference_attention
 
 SEQ = 24
 # Row 0: three packed documents and 3 pad tokens; row 1: two documents and 6 pad tokens.

@@ -1,7 +1,7 @@
 """The runtime's host plan: band rectangles, per-rank pieces, ring ranges, fused-kernel parity.
 
-Everything is checked against the pair-by-pair mask of ``attention_reference.py`` and its
-float64 softmax, never against the library's own mask or kernel code. Multi-rank exchanges
+Everything is checked against the pair-by-pair mask of ``cp_core.testing.reference_attention``
+and its float64 softmax, never against the library's own mask or kernel code. Multi-rank exchanges
 are simulated in one process here (every rank's pieces against buffers cut from the full K/V);
 the real gloo exchange is tested in ``test_attention_transport_multirank.py``.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ from cp_core.attention.plan import AttentionPlan, DocumentMask
 from cp_core.attention.rects import INF, band_area, document_rects
 from cp_core.attention.slices import CAUSAL, index_runs
 from cp_core.runs import RankRuns
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import reference_attention
 
-ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
+ref = reference_attention
 
 
 def _brute_area(qs, qe, ks, ke, dlo, dhi):

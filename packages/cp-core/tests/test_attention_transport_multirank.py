@@ -5,21 +5,21 @@ shards a packed batch (documents from position_ids resets, trailing pad, a lengt
 padding) with a framework sharder, runs SDPA on the local q/k/v inside the sharder's context,
 gathers the output back and sums the q/k/v gradients over the ranks. The reference is
 independent of the library: float64 softmax over an explicit mask written pair by pair
-(``attention_reference.py``); the identity sharder (CP=1) is compared with it too.
+(``cp_core.testing.reference_attention``); the identity sharder (CP=1) is compared with it too.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_core.testing.multirank import RankPool, leading_group, load_module_file
+from cp_core.testing import reference_attention
+from cp_core.testing.multirank import RankPool, leading_group
 
-ref = load_module_file(Path(__file__).with_name("attention_reference.py"))
+ref = reference_attention
 
 pytestmark = pytest.mark.multirank
 

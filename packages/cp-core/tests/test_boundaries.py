@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +11,11 @@ from cp_core.attention.intercept import active_plan
 from cp_core.documents import document_positions, resolve_documents
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import reference_attention
 
 CPU = torch.device("cpu")
 # Document ids written out from lengths, independently of the parser under test.
-_reference = load_module_file(Path(__file__).with_name("attention_reference.py"))
+_reference = reference_attention
 _ids_by_hand = _reference.doc_ids_from_lengths
 
 
