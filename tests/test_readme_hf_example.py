@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.multirank
 
-# Layouts whose local batch keeps the caller's [B, S] rows (each torchrun costs seconds; the
-# contiguous layout runs the same models in test_hf_cp_attention.py). te_thd and magi return
-# flat THD tensors, which Hugging Face models do not take yet.
-BACKENDS = ["round_robin", "blockdiag"]
+# The same script under row layouts and under the flat-stream ones (te_thd, magi: [1, T_local]
+# rows by default, cp.rows), unchanged (each torchrun costs seconds; the contiguous layout runs
+# the same models in test_hf_cp_attention.py).
+BACKENDS = ["round_robin", "blockdiag", "te_thd", "magi"]
 
 
 def _loss_without_cp() -> float:

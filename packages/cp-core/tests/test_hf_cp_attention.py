@@ -1,16 +1,22 @@
 """``attn_implementation="cp"``: unmodified Hugging Face models, per-layer windows, no mask.
 
-Tiny random models (no download): Llama, Qwen2 (q/k/v bias), Mistral (sliding window 6) and
-Gemma 3 (layers alternate sliding window 5 and full attention). Each rank shards a packed
-batch (documents given by restarting position_ids, trailing pad), calls the model with NO
-attention_mask inside the sharder's context, and trains one step. The truth involves no CP
-code: the same weights with ``attn_implementation="sdpa"`` run on every document alone (its
-own row, positions from 0), whose summed token losses over the label count give the loss.
+Tiny random models (no download): Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral
+(sliding window 6), Gemma 3 (layers alternate sliding window 5 and full attention) and Phi-3
+(fused q/k/v, sliding window 7). Each rank shards a batch, calls the model with NO
+attention_mask inside the sharder's context, and trains one step; the loop is the same for
+every backend (flat layouts hand ``[1, T_local]`` rows by default, ``cp.rows``). Batch kinds:
+packed documents from restarting position_ids (trailing pad), the same from
+``_packed_seq_ids``, padded rows (one document per row, pad from ``attention_mask``, no
+position_ids) and ``inputs_embeds`` as the primary stream. The truth involves no CP code: the
+same weights with ``attn_implementation="sdpa"`` run on every document alone (its own row,
+positions from 0), computed once per (architecture, batch kind) in the test process; its
+summed token losses over the label count give the loss.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Iterator
 
 import pytest
@@ -23,7 +29,10 @@ transformers = pytest.importorskip("transformers")
 
 DOCS = [[9, 14, 20, 18], [30, 17, 6]]
 SEQ = 67
-ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
+ROWS, ROW_SEQ = [[30], [45], [17]], 47  # padded rows: one document each
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
+BACKENDS = ["round_robin", "contiguous", "te_thd", "magi", "blockdiag"]
+KINDS = ["positions", "ids", "rows", "embeds"]
 
 
 def _model(arch: str, impl: str) -> Any:
@@ -34,6 +43,11 @@ def _model(arch: str, impl: str) -> Any:
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = transformers.Qwen3Config(head_dim=8, **common), transformers.Qwen3ForCausalLM
+    elif arch == "phi3":
+        cfg, cls = (transformers.Phi3Config(sliding_window=7, pad_token_id=0, **common),
+                    transformers.Phi3ForCausalLM)
     elif arch == "mistral":
         cfg, cls = (transformers.MistralConfig(sliding_window=6, **common),
                     transformers.MistralForCausalLM)
@@ -47,32 +61,53 @@ def _model(arch: str, impl: str) -> Any:
     return cls(cfg)
 
 
-def _truth(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients from every document run alone through the sdpa model."""
+def _batch(kind: str) -> dict[str, torch.Tensor]:
+    """The caller's batch of one batch kind (``embeds`` is turned into embeddings on the rank,
+    from the model's own embedding, so its gradient is checked too)."""
+    if kind == "rows":
+        batch = make_packed_batch(ROWS, vocab=64, seed=7, pad_to=ROW_SEQ)
+        return {"input_ids": batch["input_ids"], "labels": batch["labels"],
+                "attention_mask": (~batch["padding_mask"]).long()}
+    batch = make_packed_batch(DOCS, vocab=64, seed=5, pad_to=SEQ)
+    if kind != "ids":  # documents from restarting position_ids alone
+        batch = {k: v for k, v in batch.items() if k != "_packed_seq_ids"}
+    return batch
+
+
+@functools.lru_cache(maxsize=None)
+def _truth(arch: str, kind: str) -> dict[str, Any]:
+    """Loss, gradients and per-token losses ``[B, S]`` from every document run alone through
+    the sdpa model (computed once, in the test process)."""
     model = _model(arch, "sdpa")
+    batch = _batch(kind)
     labels = batch["labels"]
     total = int((labels != -100).sum())
     loss_sum = torch.zeros((), dtype=torch.float64)
-    for b, lengths in enumerate(DOCS):
+    token_loss = torch.zeros(labels.shape, dtype=torch.float64)
+    for b, lengths in enumerate(ROWS if kind == "rows" else DOCS):
         start = 0
         for n in lengths:
             ids = batch["input_ids"][b:b + 1, start:start + n]
             lab = labels[b:b + 1, start:start + n]
             logits = model(input_ids=ids, position_ids=torch.arange(n)[None],
                            use_cache=False).logits
-            loss_sum = loss_sum + torch.nn.functional.cross_entropy(
-                logits[0].float(), lab[0], ignore_index=-100, reduction="sum").double()
+            per_token = torch.nn.functional.cross_entropy(
+                logits[0].float(), lab[0], ignore_index=-100, reduction="none").double()
+            loss_sum = loss_sum + per_token.sum()
+            token_loss[b, start:start + n] = per_token.detach()
             start += n
     loss = loss_sum / total
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
-    return float(loss), grads
+    return {"loss": float(loss.detach()), "grads": grads, "token_loss": token_loss}
 
 
 def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str = "cp",
-          config: dict[str, Any] | None = None, docs_from: str = "positions"
+          config: dict[str, Any] | None = None, kind: str = "positions"
           ) -> dict[str, Any] | None:
+    """One training step under CP; rank 0 returns the loss, the summed gradients and the
+    per-token losses gathered back to the caller's ``[B, S]``."""
     import cp_core.hf  # registers "cp"
     from cp_core.grads import allreduce_gradients
     from cp_core.loss import cp_cross_entropy
@@ -81,30 +116,56 @@ def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str =
     group = leading_group(size)
     if group is None:
         return None
-    batch = make_packed_batch(DOCS, vocab=64, seed=5, pad_to=SEQ)
-    if docs_from == "positions":  # documents from restarting position_ids alone
-        batch = {k: v for k, v in batch.items() if k != "_packed_seq_ids"}
+    batch = _batch(kind)
     model = _model(arch, impl)
+    if kind == "embeds":  # the primary stream is inputs_embeds [B, S, H]
+        batch = dict(batch, inputs_embeds=model.get_input_embeddings()(batch.pop("input_ids")))
     sharder = build_sharder({"backend": backend, "size": size, **(config or {})}, group)
     ctx, local = sharder.shard(batch)
-    local = cp_core.hf.model_rows(local, sharder.shard_layout)  # [1, T] rows for flat layouts
+    if (config or {}).get("rows") is False:  # flat [T_local]: model_rows makes the row
+        local = cp_core.hf.model_rows(local, sharder.shard_layout)
+    primary = "inputs_embeds" if kind == "embeds" else "input_ids"
     # Plain sdpa needs the all-ones mask (HF would otherwise infer documents from the local,
     # permuted positions); "cp" needs nothing.
-    extra = {"attention_mask": torch.ones_like(local["input_ids"])} if impl == "sdpa" else {}
+    extra = {"attention_mask": torch.ones(local[primary].shape[:2], dtype=torch.long)} \
+        if impl == "sdpa" else {}
     with ctx():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+        logits = model(**{primary: local[primary]}, position_ids=local["position_ids"],
                        use_cache=False, **extra).logits
         loss = cp_cross_entropy(logits, local["labels"], group)
         loss.backward()
     allreduce_gradients(model, group)
-    true_loss, true_grads = _truth(arch, batch)
+    token_loss = torch.nn.functional.cross_entropy(
+        logits.detach().flatten(0, -2).double(), local["labels"].flatten(), ignore_index=-100,
+        reduction="none").view(local["labels"].shape)
+    token_loss = sharder.gather_token_tensor(token_loss, trim=True, fill=0.0)
+    if rank:
+        return None
+    return {"loss": float(loss), "token_loss": token_loss,
+            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def _errors(arch: str, kind: str, res: dict[str, Any]) -> dict[str, float]:
+    """Relative errors of a CP step against the truth: loss, worst gradient, token losses."""
+    truth = _truth(arch, kind)
     worst = 0.0
-    for n, p in model.named_parameters():
-        want = true_grads.get(n, torch.zeros_like(p))
-        got = p.grad if p.grad is not None else torch.zeros_like(p)
-        scale = float(want.abs().max().clamp(min=1e-12))
-        worst = max(worst, float((got - want).abs().max()) / scale)
-    return {"loss": abs(float(loss) - true_loss) / abs(true_loss), "grad": worst}
+    for n, want in truth["grads"].items():
+        got = res["grads"].get(n, torch.zeros_like(want))
+        worst = max(worst, float((got - want).abs().max()) / float(want.abs().max().clamp(
+            min=1e-12)))
+    assert set(res["grads"]) <= set(truth["grads"]), "CP gave gradients the truth has not"
+    want_tok = truth["token_loss"]
+    assert res["token_loss"].shape == want_tok.shape, (res["token_loss"].shape, want_tok.shape)
+    return {"loss": abs(res["loss"] - truth["loss"]) / abs(truth["loss"]), "grad": worst,
+            "tokens": float((res["token_loss"] - want_tok).abs().max())
+            / float(want_tok.abs().max())}
+
+
+def _check(pool: RankPool, arch: str, backend: str, size: int, impl: str = "cp",
+           config: dict[str, Any] | None = None, kind: str = "positions") -> None:
+    _needs(backend)
+    res = _errors(arch, kind, pool.run(_case, arch, backend, size, impl, config, kind)[0])
+    assert res["loss"] <= 1e-5 and res["grad"] <= 1e-5 and res["tokens"] <= 1e-5, res
 
 
 def _needs(backend: str) -> None:
@@ -121,35 +182,38 @@ def pool() -> Iterator[RankPool]:
         yield p
 
 
-# Every architecture at cp=2 under round robin; the windowed ones also at cp=4 (a rank's share
-# shorter than the window: where plain SDPA interception lost Gemma 3's window) and under the
-# contiguous layout.
-CASES = [(a, "round_robin", 2) for a in ARCHS] + [
-    ("gemma3", "round_robin", 4), ("gemma3", "contiguous", 4), ("mistral", "contiguous", 4),
-    ("qwen2", "contiguous", 2),
-    # Flat-stream layouts through cp_core.hf.model_rows (a [1, T_local] row each).
-    ("llama", "te_thd", 2), ("gemma3", "te_thd", 4), ("qwen2", "magi", 2),
-    ("mistral", "magi", 4)]
-# magi's mask is its own rectangles, not documents: per-layer kinds cannot be derived from it,
-# so a windowed model tells the sharder its one window (and a layer that differs is refused).
-CONFIG = {"magi": {"mistral": {"attention": "sliding_window", "window": 6}}}
+# The grid, bounded: every architecture under every backend at cp=2 (documents from
+# position_ids); every backend at cp=4 with Gemma 3 (a rank's share of a document shorter than
+# the sliding window: where plain SDPA interception lost Gemma 3's window), and one other
+# architecture each; every other batch kind under every backend with Gemma 3 at cp=2 and with
+# another architecture at cp=4; identity at CP=1 for every batch kind.
+CASES = (
+    [(a, b, 2, "positions") for a in ARCHS for b in BACKENDS]
+    + [("gemma3", b, 4, "positions") for b in BACKENDS]
+    + [("mistral", "te_thd", 4, "positions"), ("phi3", "magi", 4, "positions"),
+       ("qwen3", "round_robin", 4, "positions"), ("qwen2", "blockdiag", 4, "positions"),
+       ("llama", "contiguous", 4, "positions")]
+    + [("gemma3", b, 2, k) for k in KINDS[1:] for b in BACKENDS]
+    + [("mistral", "magi", 4, "rows"), ("phi3", "te_thd", 4, "embeds"),
+       ("qwen3", "contiguous", 4, "ids"), ("llama", "blockdiag", 4, "embeds"),
+       ("qwen2", "round_robin", 4, "rows")]
+    + [("gemma3", "identity", 1, k) for k in KINDS])
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("arch,backend,size", CASES)
+@pytest.mark.parametrize("arch,backend,size,kind", CASES)
 def test_cp_attention_matches_documents_alone(pool: RankPool, arch: str, backend: str,
-                                              size: int) -> None:
-    _needs(backend)
-    cfg = CONFIG.get(backend, {}).get(arch)
-    for res in pool.run(_case, arch, backend, size, "cp", cfg)[:size]:
-        assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
+                                              size: int, kind: str) -> None:
+    """The same loop for every backend: no backend-specific config, no model_rows."""
+    _check(pool, arch, backend, size, kind=kind)
 
 
 @pytest.mark.multirank
-def test_documents_from_packed_seq_ids(pool: RankPool) -> None:
-    """The same with documents given by ``_packed_seq_ids`` (positions still restart)."""
-    for res in pool.run(_case, "gemma3", "round_robin", 2, "cp", None, "ids")[:2]:
-        assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
+@pytest.mark.parametrize("backend", ["te_thd", "magi"])
+def test_flat_stream_through_model_rows(pool: RankPool, backend: str) -> None:
+    """``cp.rows=false`` keeps the flat ``[T_local]`` stream; ``cp_core.hf.model_rows`` makes
+    the row, and the token verbs take it back to the caller's ``[B, S]``."""
+    _check(pool, "gemma3", backend, 2, config={"rows": False})
 
 
 @pytest.mark.multirank
@@ -157,9 +221,28 @@ def test_documents_from_packed_seq_ids(pool: RankPool) -> None:
 def test_plain_sdpa_sliding_window_mask_is_recognised(pool: RankPool, backend: str) -> None:
     """Mistral through plain SDPA interception: HF passes its local sliding-window mask; it
     matches the configured window, so it is served (not refused) and exact."""
-    cfg = {"attention": "sliding_window", "window": 6}
-    for res in pool.run(_case, "mistral", backend, 2, "sdpa", cfg)[:2]:
-        assert res["loss"] <= 1e-5 and res["grad"] <= 1e-4, res
+    _check(pool, "mistral", backend, 2, "sdpa", {"attention": "sliding_window", "window": 6})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("arch,config", [
+    ("llama", None), ("qwen2", None), ("qwen3", None),
+    ("phi3", {"attention": "sliding_window", "window": 7})])
+def test_plain_sdpa_one_kind_architectures(pool: RankPool, arch: str,
+                                           config: dict[str, Any] | None) -> None:
+    """Through plain SDPA (no attn_implementation="cp"): an architecture whose layers share
+    one kind is exact when the sharder is configured with that kind."""
+    _check(pool, arch, "round_robin", 2, "sdpa", config)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("config", [None, {"attention": "sliding_window", "window": 5}])
+def test_plain_sdpa_refuses_mixed_window_layers(pool: RankPool,
+                                                config: dict[str, Any] | None) -> None:
+    """Gemma 3 through plain SDPA: whichever one kind the sharder is given, the layers of the
+    other kind are refused (never served with the wrong mask); the refusal names the fix."""
+    with pytest.raises(Exception, match='attn_implementation="cp"'):
+        pool.run(_case, "gemma3", "round_robin", 2, "sdpa", config)
 
 
 def test_outside_a_context_cp_is_sdpa() -> None:
@@ -176,11 +259,13 @@ def test_outside_a_context_cp_is_sdpa() -> None:
 
 @pytest.mark.multirank
 def test_magi_refuses_a_layer_kind_its_mask_cannot_give(pool: RankPool) -> None:
+    """magi re-derives a layer's kind from the step's documents; a shared-prefix mask is not
+    documents alone, so a sliding-window layer under it is refused."""
     from cp_core.errors import CPAttentionError
 
     _needs("magi")
     with pytest.raises(Exception, match="serves only cp.attention='causal'"):
-        pool.run(_case, "mistral", "magi", 2)
+        pool.run(_case, "mistral", "magi", 2, "cp", {"mask": "shared_prefix"})
     assert issubclass(CPAttentionError, NotImplementedError)
 
 

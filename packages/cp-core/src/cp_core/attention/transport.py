@@ -88,6 +88,27 @@ def _describe(plan: AttentionPlan) -> str:
     return f"the sharder is configured for cp.attention={plan.kind!r}"
 
 
+def _one_kind_per_step(plan: AttentionPlan, n: int, form: str) -> None:
+    """Refuse a step whose SDPA calls mix the sliding-window plan's local window mask with
+    plain causal attention (a model mixing sliding and full layers, Gemma 3): each would be
+    served with the one configured window, the full layers silently wrong. Only decidable
+    when the local length exceeds the window (else the two local masks are the same)."""
+    window = getattr(plan.mask, "window", None)
+    if plan.kind != "sliding_window" or window is None or n <= int(window):
+        return
+    forms = plan.cache.setdefault("sdpa_call_forms", set())
+    forms.add(form)
+    if len(forms) > 1:
+        raise CPAttentionError(
+            f"the model's attention calls differ in kind within one step: some pass the local "
+            f"sliding-window mask of {_describe(plan)} (window={window}), others plain causal "
+            "attention (full layers); the SDPA interception cannot tell which layer wants "
+            "which and would serve every layer with the window. Hugging Face models whose "
+            "layers mix sliding and full attention need attn_implementation=\"cp\" (import "
+            "cp_core.hf), which takes each layer's window from the call"
+        )
+
+
 def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor | None,
                    dropout_p: float, is_causal: bool) -> None:
     """Raise :class:`CPAttentionError` unless the SDPA call agrees with the plan's kind."""
@@ -106,9 +127,10 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
         # Hugging Face hands SDPA its own local mask: the causal one, or for sliding-window
         # models the local sliding-window one. Either, when it is exactly what the plan's kind
         # means over the local length, is the plan's mask seen locally: accept it.
-        plain = isinstance(attn_mask, torch.Tensor) and (
-            _is_plain_causal_cached(attn_mask, n)
-            or (window is not None and _is_plain_causal_cached(attn_mask, n, window)))
+        is_tensor = isinstance(attn_mask, torch.Tensor)
+        causal_mask = is_tensor and _is_plain_causal_cached(attn_mask, n)
+        plain = causal_mask or (is_tensor and window is not None
+                                and _is_plain_causal_cached(attn_mask, n, window))
         if not plain:
             shape = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else attn_mask
             dtype = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask)
@@ -125,7 +147,10 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
                 "already separates the documents). Models whose layers differ in kind (sliding "
                 "and full layers) need attn_implementation=\"cp\" (import cp_core.hf)"
             )
+        _one_kind_per_step(plan, n, "causal" if causal_mask else "window")
         is_causal = True
+    elif is_causal:
+        _one_kind_per_step(plan, q.shape[-2], "causal")
     if is_causal and plan.kind == "bidirectional":
         raise CPAttentionError(
             f"the model calls causal attention (is_causal=True or a causal mask) but "
