@@ -3,9 +3,9 @@
 Every CP rank holds a full replica of the parameters but computes gradients from its own
 tokens only; with :func:`cp_core.loss.cp_cross_entropy` each rank's gradient is its share of
 the global-mean gradient, so the sum over CP ranks is the unsharded gradient. In real training
-FSDP or DDP over the flattened ``dp x cp`` mesh does this reduction already (with averaging:
-scale the loss by the number of ranks it averages over, or reduce with a sum); this helper is
-for plain loops, tests and the demo.
+FSDP or DDP over the flattened ``dp x cp`` mesh does this reduction already, averaging at
+their defaults: take the loss with ``cp_cross_entropy(..., grad_reduction="mean")`` there
+(``tests/test_fsdp_loss.py``); this helper is for plain loops, tests and the demo.
 """
 
 from __future__ import annotations

@@ -13,6 +13,13 @@ then gives exactly the unsharded gradient.
 Token counts must be taken over every rank whose tokens enter the mean: over a ``dp x cp``
 mesh, each DP replica sees different data, so :func:`count_label_tokens` counts over all of
 the mesh's ranks.
+
+The framework that reduces the gradients decides their convention. ``grad_reduction="sum"``
+(the default) suits a sum (:func:`~cp_core.grads.allreduce_gradients`, ``dist.all_reduce``);
+FSDP and DDP *average* over their ranks at their defaults, so ``grad_reduction="mean"``
+scales this rank's gradient by the number of ranks counted in the denominator (the
+``dp x cp`` mesh FSDP shards over): their average is then the gradient of the global mean.
+The value is the same either way; :func:`global_loss` gives the number to log.
 """
 
 from __future__ import annotations
@@ -85,8 +92,21 @@ def count_label_tokens(labels: torch.Tensor, group_or_mesh: Any = None,
     return _all_reduce_sum(count, group_or_mesh)
 
 
+#: How the gradients of every rank are combined after backward (``grad_reduction=``).
+GRAD_REDUCTIONS = ("sum", "mean")
+
+
+def _world(group_or_mesh: Any) -> int:
+    """Number of ranks of ``group_or_mesh`` (1 for None or a size-1 simulated mesh)."""
+    n = 1
+    for g in reduction_groups(group_or_mesh):
+        n *= dist.get_world_size(g)
+    return n
+
+
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any = None, *,
-                     ignore_index: int = -100, reduction_group: Any = None) -> torch.Tensor:
+                     ignore_index: int = -100, reduction_group: Any = None,
+                     grad_reduction: str = "sum") -> torch.Tensor:
     """Token-mean cross-entropy over every rank of ``group`` (see the module docstring).
 
     Args:
@@ -99,13 +119,23 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any = No
         reduction_group: ranks over which the denominator is counted when it differs from
             ``group`` (e.g. ``group`` = CP group, ``reduction_group`` = the ``dp x cp`` mesh:
             the value is then this DP replica's share of the global mean).
+        grad_reduction: how the gradients are combined after backward: ``"sum"`` (a plain
+            all-reduce, :func:`~cp_core.grads.allreduce_gradients`) or ``"mean"`` (FSDP / DDP
+            at their defaults, averaging over the ranks of ``reduction_group``, or of ``group``
+            when it is None): the gradient is then scaled by that many ranks. The value does
+            not change.
 
     Returns:
         A scalar whose value is ``sum over group of CE sums / count over reduction_group`` and
         whose gradient is ``local CE sum / that count``: summing gradients over the ranks
-        gives the gradient of the global mean. With no label token anywhere: 0 with zero
-        gradient, never NaN.
+        gives the gradient of the global mean (``"mean"``: the gradient is that times the
+        number of ranks, so their average gives it). With no label token anywhere: 0 with
+        zero gradient, never NaN.
     """
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise CPConfigError(f"grad_reduction must be one of {list(GRAD_REDUCTIONS)}, got "
+                            f"{grad_reduction!r}: 'mean' when FSDP/DDP average the gradients "
+                            "(their default), 'sum' when they are summed")
     if logits.dim() < 1 or not logits.is_floating_point():
         raise CPBatchError(f"logits must be a float tensor [..., V], got {tuple(logits.shape)} "
                            f"{logits.dtype}")
@@ -118,13 +148,33 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any = No
     flat = logits.reshape(-1, logits.shape[-1]).to(cdt)
     local_sum = F.cross_entropy(flat, labels.reshape(-1).long(), ignore_index=ignore_index,
                                 reduction="sum")
-    count = count_label_tokens(labels, group if reduction_group is None else reduction_group,
-                               ignore_index=ignore_index)
+    counted = group if reduction_group is None else reduction_group
+    count = count_label_tokens(labels, counted, ignore_index=ignore_index)
     # clamp: no label anywhere gives local_sum == 0 (its gradient 0) over 1, never 0/0.
     denom = count.clamp(min=1).to(cdt)
     total = _all_reduce_sum(local_sum.detach().clone(), group)
+    if grad_reduction == "mean":
+        local_sum = local_sum * _world(counted)  # the framework divides by as many ranks
     # value: total / denom; gradient: local_sum / denom (the other ranks' part is constant).
     return (local_sum + (total - local_sum.detach())) / denom
 
 
-__all__ = ["cp_cross_entropy", "count_label_tokens", "reduction_groups"]
+def global_loss(loss: torch.Tensor, group: Any = None, reduction_group: Any = None) -> torch.Tensor:
+    """The step's global token-mean loss, for logging: equal on every rank, whatever the DP size.
+
+    ``loss``: what :func:`cp_cross_entropy` returned, with the same ``group`` and
+    ``reduction_group``. With ``reduction_group`` None the value already is the mean over
+    ``group`` and is returned detached; otherwise each DP replica holds its share, and the
+    shares are summed over ``reduction_group`` (every one of the ``|group|`` ranks of a
+    replica holds the same share, hence the division). A detached 0-d tensor; collective over
+    ``reduction_group``.
+    """
+    value = loss.detach()
+    if reduction_group is None:
+        return value
+    total = _all_reduce_sum(value.clone(), reduction_group)
+    return total / _world(group)
+
+
+__all__ = ["cp_cross_entropy", "global_loss", "count_label_tokens", "reduction_groups",
+           "GRAD_REDUCTIONS"]
