@@ -9,17 +9,12 @@ import torch
 
 from cp_blockdiag.routing import build_route, choose_exchange, need_matrix, summarize
 from cp_core.errors import CPAttentionError
+from cp_core.testing.reference_attention import doc_ids_from_lengths
 
 
 def _ids(rows: list[list[int]], length: int) -> torch.Tensor:
     """Document ids from lengths per row, right-padded with 0 to ``length``."""
-    out = torch.zeros(len(rows), length, dtype=torch.long)
-    for b, lens in enumerate(rows):
-        start = 0
-        for d, n in enumerate(lens):
-            out[b, start:start + n] = d + 1
-            start += n
-    return out
+    return doc_ids_from_lengths(rows, length)
 
 
 def _need_reference(ids: torch.Tensor, cp: int) -> torch.Tensor:

@@ -156,12 +156,7 @@ def test_needed_ranges_are_exactly_the_seen_keys():
 def test_computed_area_follows_allowed_pairs_on_packed_rows():
     from cp_core.datasets import packed_rows
 
-    lengths = packed_rows(1, 8192, seed=0)[0]
-    ids = torch.zeros(1, 8192, dtype=torch.long)
-    p = 0
-    for d, n in enumerate(lengths, start=1):
-        ids[0, p:p + n] = d
-        p += n
+    ids = ref.doc_ids_from_lengths(packed_rows(1, 8192, seed=0), 8192)
     layout = _layout(random.Random(0), 8192, 2)
     for kind, window in (("causal", None), ("sliding_window", 256)):
         rects = document_rects(ids, kind, window)

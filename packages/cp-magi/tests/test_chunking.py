@@ -11,6 +11,7 @@ from cp_core.datasets import packed_rows
 from cp_core.errors import CPBatchError
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
+from cp_core.testing.batches import packed_batch
 from cp_magi.chunking import dispatch, plan_chunks, rank_token_indices, split_factor
 from cp_magi.mask_builders import document_mask
 from cp_magi.solver import lower_bound, solve
@@ -118,20 +119,11 @@ def test_solver_with_classes_is_valid_and_deterministic(method: str) -> None:
 
 def test_sharder_with_uneven_chunks_round_trips() -> None:
     cp = 4
-    lens = [[60, 4, 30], [80, 10]]
     seq = 96
-    ids = torch.zeros(2, seq, dtype=torch.long)
-    pos = torch.zeros(2, seq, dtype=torch.long)
-    for b, row in enumerate(lens):
-        s = 0
-        for d, n in enumerate(row):
-            ids[b, s:s + n], pos[b, s:s + n] = d + 1, torch.arange(n)
-            s += n
-    tok = torch.randint(1, 50, (2, seq), generator=torch.Generator().manual_seed(0))
-    tok = tok.masked_fill(ids == 0, 0)
-    batch = {"input_ids": tok, "position_ids": pos, "_packed_seq_ids": ids,
-             "labels": tok.roll(-1, 1).masked_fill(ids == 0, -100)}
-    cfg = {"backend": "magi", "size": cp, "chunks_per_rank": 2, "split": 4}
+    batch = packed_batch([[60, 4, 30], [80, 10]], seq)
+    tok = batch["input_ids"]
+    cfg = {"backend": "magi", "size": cp, "chunks_per_rank": 2, "split": 4,
+           "rows": False}  # the flat stream, indexed below
     sharders = [build_sharder(cfg, SimulatedCPMesh(r, cp)) for r in range(cp)]
     locals_ = [s.shard(batch)[1] for s in sharders]
     lay = sharders[0].shard_layout
