@@ -14,7 +14,6 @@ formats). Parity of such batches with the truth runs in ``test_cross_backend.py`
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +23,9 @@ from cp_core.errors import CPConfigError
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing.fills import check_local_fills
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import installed
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
 PAD_ID = 5
@@ -88,7 +87,8 @@ def check_fills(backend: str, cp: int, with_positions: bool, **extra: Any) -> No
         sharder, pad_id = _sharder(backend, cp, rank, **extra)
         _, local = sharder.shard(batch)
         check_local_fills(batch, pad, local, sharder.shard_layout, pad_id,
-                          where=(backend, cp, rank, with_positions, extra))
+                          where=(backend, cp, rank, with_positions, extra),
+                          primary_sharded=backend != "aux_only")
 
 
 @pytest.mark.parametrize("with_positions", [True, False], ids=["positions", "no_positions"])

@@ -15,7 +15,6 @@ The backends are taken from the registry, so a backend that is installed is test
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,9 +24,9 @@ from hypothesis import strategies as st
 
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import installed
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 loadable = _installed.loadable
 
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
@@ -224,7 +223,13 @@ def backend_options(backend: str) -> st.SearchStrategy[dict[str, Any]]:
     fields = get_backend(backend).config_model.model_fields  # keys this version knows
     keys = st.fixed_dictionaries({}, optional={k: v for k, v in {**common, **own}.items()
                                                if k in fields})
-    return st.builds(lambda a, b: {**a, **b}, keys, KINDS)
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        out = {**a, **b}
+        if out.get("chunk_size") is not None and out.get("chunks_per_rank") is not None:
+            del out["chunks_per_rank"]  # both fix the stream length: magi refuses the pair
+        return out
+
+    return st.builds(merge, keys, KINDS)
 
 
 def _build(backend: str, cp: int, rank: int, options: dict[str, Any]) -> tuple[Any, int]:
@@ -237,6 +242,12 @@ def _build(backend: str, cp: int, rank: int, options: dict[str, Any]) -> tuple[A
         if "padding_token_id" not in str(exc):
             raise
     return build_sharder(cfg, mesh), 0
+
+
+def _keeps_primary(backend: str, options: dict[str, Any]) -> bool:
+    """Layouts that leave the primary stream full length for the model to slice."""
+    return backend == "aux_only" or options.get("shard_primary") is False or bool(
+        options.get("aux_only"))
 
 
 def check_user_batch(backend: str, cp: int, spec: dict[str, Any],
@@ -255,7 +266,8 @@ def check_user_batch(backend: str, cp: int, spec: dict[str, Any],
         lay = sharder.shard_layout
         layouts.append(lay)
         xs.append(sharder.shard_token_tensor(x, fill=0.0))
-        check_local_fills(batch, pad, local, lay, pad_id, where=(backend, cp, r, options))
+        check_local_fills(batch, pad, local, lay, pad_id, where=(backend, cp, r, options),
+                          primary_sharded=not _keeps_primary(backend, options))
     padded = layouts[0].padded_seq_len
     assert all(lay.padded_seq_len == padded for lay in layouts)
     if options.get("pad_multiple", 1) > 1 and backend != "identity":

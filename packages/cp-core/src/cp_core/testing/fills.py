@@ -33,18 +33,19 @@ def slot_sources(layout: Any, bsz: int, seq: int) -> list[list[Source]]:
 
 def check_local_fills(batch: Mapping[str, Any], caller_pad: Sequence[Sequence[bool]],
                       local: Mapping[str, Any], layout: Any, padding_token_id: int,
-                      where: Any = "") -> int:
+                      where: Any = "", primary_sharded: bool = True) -> int:
     """Assert the rules of the module docstring for one rank; returns the slots checked.
 
-    ``input_ids`` is checked where the local batch holds it sharded (an aux-only layout keeps
-    it full length); a caller pad token whose label is not -100 keeps its label.
+    ``input_ids`` is checked unless ``primary_sharded`` is False (an aux-only layout keeps it
+    full length); a caller pad token whose label is not -100 keeps its label.
     """
     bsz, seq = batch["labels"].shape[0], batch["labels"].shape[-1]
     sources = slot_sources(layout, bsz, seq)
     n = len(sources[0])
     got = {k: local[k].reshape(len(sources), -1).tolist() for k in
            ("input_ids", "labels", "position_ids", "padding_mask")
-           if isinstance(local.get(k), torch.Tensor) and local[k].shape[-1] == n}
+           if isinstance(local.get(k), torch.Tensor) and local[k].shape[-1] == n
+           and (k != "input_ids" or primary_sharded)}
     missing = {"labels", "padding_mask", "position_ids"} - set(got)
     assert not missing, f"{where}: local batch lacks sharded {sorted(missing)}"
     labels = batch["labels"].tolist()
