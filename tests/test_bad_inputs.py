@@ -36,9 +36,9 @@ from cp_core.errors import (
 from cp_core.framework import shard_batch_contiguous, shard_batch_identity
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import Registry, build_sharder, use_registry
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import installed
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 loadable = _installed.loadable
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"

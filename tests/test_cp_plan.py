@@ -28,11 +28,11 @@ from cp_core.cli.plan import (
 from cp_core.datasets import make_packed_batch
 from cp_core.errors import CPConfigError
 from cp_core.planning import attention_work
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import installed
 
 REPO = Path(__file__).resolve().parents[1]
 CP_PLAN = str(Path(sys.executable).with_name("cp-plan"))
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 
 
 def per_rank(cp: dict, docs: list) -> list[tuple[int, int, int]]:

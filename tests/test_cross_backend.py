@@ -10,7 +10,6 @@ the unsharded labels): at CP=1 in this process, and at CP=2 with real gloo ranks
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -20,7 +19,8 @@ import torch.distributed as dist
 from cp_core.errors import CPConfigError
 from cp_core.registry import build_sharder
 from cp_core.testing.forms import FORMS, VOCAB, packed_form
-from cp_core.testing.multirank import RankPool, load_module_file
+from cp_core.testing import installed
+from cp_core.testing.multirank import RankPool
 from cp_core.testing.parity import (
     StepResult,
     default_forward,
@@ -31,7 +31,7 @@ from cp_core.testing.parity import (
 from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
 from cp_core.testing.truth import truth_step
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
 #: fp32: the truth runs SDPA's math kernel, the backends a blocked online-softmax kernel.

@@ -8,7 +8,6 @@ batches refused with a library error.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +16,9 @@ import torch
 from cp_core.errors import CPBatchError
 from cp_core.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import load_module_file
+from cp_core.testing import installed
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
 
 

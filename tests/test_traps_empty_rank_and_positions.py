@@ -15,7 +15,6 @@ document lengths.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,9 +24,10 @@ import torch.nn.functional as F
 
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import RankPool, load_module_file
+from cp_core.testing import installed
+from cp_core.testing.multirank import RankPool
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 loadable = _installed.loadable
 
 BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")

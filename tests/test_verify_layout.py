@@ -10,7 +10,6 @@ compute different layouts from the same batch are caught too. The pure decision 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,14 +20,15 @@ from cp_core.comm import count_collectives
 from cp_core.errors import CPLayoutError
 from cp_core.layout import ShardLayout
 from cp_core.registry import build_sharder
-from cp_core.testing.multirank import RankPool, load_module_file
+from cp_core.testing import installed
+from cp_core.testing.multirank import RankPool
 from cp_core.testing.parity import cp_subgroup
 from cp_core.verify import VECTOR_LEN, check_vectors, local_vector, tensor_fingerprint
 
 WORLD = 4
 TIMEOUT_S = 20.0
 
-_installed = load_module_file(Path(__file__).with_name("installed_backends.py"))
+_installed = installed
 
 
 def loadable_backends() -> list[str]:

@@ -1,9 +1,7 @@
-"""Which CP backends this environment can build, and helpers the cross-package tests share.
+"""Which CP backends this environment can build, and helpers the cross-backend tests share.
 
-The tests folder is not a package: a test module loads this file with
-``cp_core.testing.multirank.load_module_file(Path(__file__).with_name("installed_backends.py"))``.
-A backend that is listed but fails to import is left out here; the registry tests cover that
-failure on their own.
+Import it (``from cp_core.testing import installed``). A backend that is listed but fails to
+import is left out here; the registry tests cover that failure on their own.
 """
 
 from __future__ import annotations
