@@ -15,6 +15,7 @@ import pytest
 
 import cp_core
 import cp_core.backend_api as backend_api
+from cp_core.testing.imports import find_cycle, import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND_SOURCES = ("packages/cp-te/src", "packages/cp-magi/src", "packages/cp-blockdiag/src",
@@ -72,6 +73,13 @@ def test_the_check_catches_an_undeclared_import(tmp_path: Path) -> None:
     assert [b.split(": ", 1)[1] for b in bad] == [
         "from cp_core.framework import make_plan", "import cp_core.comm",
         "from cp_core.backend_api import no_such_name", "from cp_core import comm"]
+
+
+@pytest.mark.parametrize("src", BACKEND_SOURCES)
+def test_no_backend_has_an_import_circle(src: str) -> None:
+    for package in sorted(p for p in (ROOT / src).iterdir() if (p / "__init__.py").exists()):
+        cycle = find_cycle(import_graph(package))
+        assert cycle is None, f"{src}: import circle " + " -> ".join(cycle or [])
 
 
 @pytest.mark.parametrize("name", backend_api.__all__)
