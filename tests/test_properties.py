@@ -351,9 +351,16 @@ def parity_options(backend: str) -> st.SearchStrategy[dict[str, Any]]:
     return backend_options(backend).map(lambda o: {k: v for k, v in o.items() if k not in drop})
 
 
+def _chunk_multiple(options: dict[str, Any]) -> int:
+    """The per-chunk pad multiple the aux-only model must slice with."""
+    import math
+
+    return math.lcm(options.get("pad_multiple", 1), options.get("block_size", 1))
+
+
 def parity_forward(backend: str, options: dict[str, Any]) -> Any:
     """The step's forward; a bidirectional kind calls SDPA with ``is_causal=False``."""
-    base = in_forward_slicing(options.get("pad_multiple", 1)) if backend == "aux_only" \
+    base = in_forward_slicing(_chunk_multiple(options)) if backend == "aux_only" \
         else default_forward
     if options.get("attention") != "bidirectional":
         return base
@@ -411,9 +418,9 @@ def test_parity_with_the_truth_at_cp1(backend: str, data: Any, spec: dict[str, A
         pytest.skip(f"backend {backend!r} is not installed or does not load")
     options = data.draw(parity_options(backend), label="options")
     assume(_accepts(backend, 1, options))
-    # Known gap (reported): at CP=1 the aux-only layout pads position_ids to pad_multiple but
-    # in_forward_slicing leaves input_ids unpadded, so the model refuses the shapes.
-    assume(not (backend == "aux_only" and options.get("pad_multiple", 1) > 1))
+    # Known gap (reported): at CP=1 the aux-only layout pads position_ids to its pad multiple
+    # but in_forward_slicing leaves input_ids unpadded, so the model refuses the shapes.
+    assume(not (backend == "aux_only" and _chunk_multiple(options) > 1))
     batch, _ = build_user_batch(spec)
     err = _truth_error(_parity_step(backend, 1, None, options, batch), options, batch)
     assert err <= PARITY_RTOL, (backend, options, err)
