@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from cp_core.testing.conformance import ConformanceSuite, cp_rank_pool  # noqa: F401
+from cp_core.backend_api import ConformanceSuite, cp_rank_pool  # noqa: F401
 from cp_core.testing.multirank import RankPool
 from cp_core.testing.parity import ForwardFn
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from cp_core.registry import build_sharder
 from cp_core.testing import batches
-from cp_core.testing.conformance import ConformanceSuite, cp_rank_pool  # noqa: F401
+from cp_core.backend_api import ConformanceSuite, cp_rank_pool  # noqa: F401
 from cp_core.testing.multirank import RankPool
 from cp_core.testing.parity import (
     FP32_RTOL,

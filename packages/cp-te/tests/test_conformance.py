@@ -6,7 +6,7 @@ multi-rank check of this module.
 
 from __future__ import annotations
 
-from cp_core.testing.conformance import ConformanceSuite, cp_rank_pool  # noqa: F401
+from cp_core.backend_api import ConformanceSuite, cp_rank_pool  # noqa: F401
 
 
 class TestTeThdConformance(ConformanceSuite):
