@@ -1,7 +1,9 @@
 """The collectives cp_core issues, in one place, with a counter of calls and bytes.
 
 Every collective the library sends goes through these wrappers so that tests and benchmarks
-can count exactly what crosses the wire (``with count_collectives() as stats: ...``).
+can count exactly what crosses the wire (``with count_collectives() as stats: ...``), and so
+that a collective that fails because another rank failed first names that rank
+(:mod:`cp_core.failures`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from cp_core.failures import peer_failures
 from cp_core.stacks import ThreadStack
 
 
@@ -60,7 +63,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Ten
     tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     record_collective("all_gather", _nbytes(tensor))
-    dist.all_gather(out, tensor, group=group)
+    with peer_failures(group, "all_gather"):
+        dist.all_gather(out, tensor, group=group)
     return out
 
 
@@ -75,14 +79,16 @@ def all_to_all(inputs: list[torch.Tensor], group: dist.ProcessGroup) -> list[tor
     shapes = torch.tensor([list(t.shape) for t in inputs], dtype=torch.long)
     recv_shapes = torch.empty(size, ndim, dtype=torch.long)
     record_collective("all_to_all", _nbytes(shapes))
-    dist.all_to_all_single(recv_shapes, shapes, group=group)
+    with peer_failures(group, "all_to_all"):
+        dist.all_to_all_single(recv_shapes, shapes, group=group)
     outs = [
         torch.empty(tuple(int(s) for s in recv_shapes[j]), dtype=inputs[0].dtype,
                     device=inputs[0].device)
         for j in range(size)
     ]
     record_collective("all_to_all", sum(_nbytes(t) for t in inputs))
-    dist.all_to_all(outs, inputs, group=group)
+    with peer_failures(group, "all_to_all"):
+        dist.all_to_all(outs, inputs, group=group)
     return outs
 
 
@@ -91,7 +97,8 @@ def all_to_all_same_shape(inputs: list[torch.Tensor], group: dist.ProcessGroup) 
     inputs = [t.contiguous() for t in inputs]
     outs = [torch.empty_like(inputs[0]) for _ in inputs]
     record_collective("all_to_all", sum(_nbytes(t) for t in inputs))
-    dist.all_to_all(outs, inputs, group=group)
+    with peer_failures(group, "all_to_all"):
+        dist.all_to_all(outs, inputs, group=group)
     return outs
 
 
@@ -101,7 +108,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
     if group is None:
         return tensor
     record_collective("all_reduce", _nbytes(tensor))
-    dist.all_reduce(tensor, op=op, group=group)
+    with peer_failures(group, "all_reduce"):
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 

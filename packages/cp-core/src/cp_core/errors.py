@@ -34,6 +34,17 @@ class CPLayoutUnavailableError(CPLayoutError, NotImplementedError):
     """
 
 
+class CPRankFailedError(CPError, RuntimeError):
+    """A collective failed (timed out, lost its connection) because another rank of its group
+    failed first; the message names that rank and its error, the raw error is chained.
+
+    Attributes:
+        failed_ranks: the global ranks whose failure was recorded.
+    """
+
+    failed_ranks: list[int]
+
+
 class CPAttentionError(CPError, NotImplementedError):
     """The active attention transport cannot honour the requested attention (mask, kind, dropout)."""
 
@@ -55,6 +66,7 @@ __all__ = [
     "CPConfigError",
     "CPLayoutError",
     "CPLayoutUnavailableError",
+    "CPRankFailedError",
     "CPAttentionError",
     "CPBackendNotFoundError",
     "CPBackendLoadError",

@@ -13,6 +13,7 @@ device_mesh, batch)`` with the backend chosen through the registry (the resoluti
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NoReturn
 
@@ -20,6 +21,7 @@ import torch
 
 from cp_core.batch import pad_seq_dim
 from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
+from cp_core.failures import recorded, recording_ctx
 from cp_core.layout import ShardLayout, all_rank_indices
 from cp_core.mesh import cp_group, cp_size
 from cp_core.positions import row_positions_to_stream, rows_to_stream, stream_to_rows
@@ -124,6 +126,7 @@ class ContextParallelSharder:
 
     # -- verbs -------------------------------------------------------------------------------
 
+    @recorded  # a rank's error is left for its peers to name (cp_core.failures)
     def shard(self, batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = None
               ) -> tuple[Callable[[], Any], dict[str, Any]]:
         """Shard ``batch`` (not mutated) and keep its layout for the token verbs.
@@ -152,8 +155,11 @@ class ContextParallelSharder:
         self.shard_layout = layout
         if self.rows and layout is not None and layout.input_row_shape is not None:
             out = _as_rows(out, layout)
+        if ctx_factory is not contextlib.nullcontext and _can_communicate(self.cp_mesh):
+            ctx_factory = recording_ctx(ctx_factory)  # an error in the step names this rank
         return ctx_factory, out
 
+    @recorded
     def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1,
                            fill: float | int | None = None) -> torch.Tensor:
         """Shard a token-aligned tensor exactly like the model inputs.
@@ -210,6 +216,7 @@ class ContextParallelSharder:
             tensor, self._indices(padded, tensor.device, "shard_token_tensor"), dim)
         return local.unsqueeze(dim) if as_row else local
 
+    @recorded
     def gather_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False,
                             fill: float | int | None = None, grad_mode: str = "slice"
                             ) -> torch.Tensor:

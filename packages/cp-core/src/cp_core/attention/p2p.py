@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from cp_core.comm import record_collective
+from cp_core.failures import peer_failures
 from cp_core.runs import RankRuns
 from cp_core.attention.fused import PieceKernel, backward_pieces, forward_pieces, kernel_for
 from cp_core.attention.plan import AttentionPlan
@@ -132,16 +133,21 @@ class _Exchange:
         self.works: list[Any] = []
         self.recv: torch.Tensor | None = None
         self.send = send  # kept alive until the send completes
+        self.group: Any = None
 
     def wait(self) -> torch.Tensor | None:
-        """Block until both directions are done; the received buffer (None if nothing)."""
-        for w in self.works:
-            w.wait()
+        """Block until both directions are done; the received buffer (None if nothing).
+        A peer that failed first is named (:func:`cp_core.failures.peer_failures`)."""
+        if self.works:
+            with peer_failures(self.group, "p2p K/V exchange"):
+                for w in self.works:
+                    w.wait()
         return self.recv
 
 
 def _post(ex: _Exchange, group: Any, shape: tuple[int, ...], like: torch.Tensor, src: int,
           dst: int, tag: int, stats: dict[str, int], key: str) -> _Exchange:
+    ex.group = group
     if shape[2]:
         ex.recv = torch.empty(shape, dtype=like.dtype, device=like.device)
         ex.works.append(dist.irecv(ex.recv, group=group, group_src=src, tag=tag))
