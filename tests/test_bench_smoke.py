@@ -69,8 +69,14 @@ def test_host_fields(results: dict[str, dict]) -> None:
     assert res["settings"]["cp"] == 8 and res["settings"]["peers"] is False
     shapes = set(res["settings"]["shapes"])
     assert {r["shape"] for r in rows} == shapes
+    floors = {r["shape"] for r in rows if r["backend"].startswith("[floor]")}
+    assert floors == shapes  # the floor is timed beside the backends on every shape
+    rows = [r for r in rows if not r["backend"].startswith("[")]
     for r in rows:
         assert r["ms"] > 0 and r["timing"]["repeats"] >= 1
+        assert r["x_floor"] > 0 and r["x_floor_with_verify"] >= r["x_floor"]
+        if r["shape"].startswith("1x"):
+            assert r["growth"] > 0
         # The shard rank 0 produced ([B, S_local], or a flat [T_local] stream) holds at least
         # its 1/cp share of the batch's tokens.
         n_local = 1

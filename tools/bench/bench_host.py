@@ -31,8 +31,8 @@ from host_batch import build_from_spec, clone_batch
 from report import make_result, time_median
 
 CP = 8
-COLUMNS = ["backend", "shape", "ms", "verify_ms", "vs_megatron", "vs_nemo_rr", "vs_nemo_contig",
-           "same_as_peer"]
+COLUMNS = ["backend", "shape", "ms", "verify_ms", "x_floor", "x_floor_with_verify", "growth",
+           "vs_megatron", "vs_nemo_rr", "vs_nemo_contig", "same_as_peer"]
 
 #: Which peer case implements the same layout as one of our backends (for the fingerprint
 #: check and the like-for-like ratio).
@@ -40,9 +40,16 @@ SAME_LAYOUT = {"megatron_head_tail": "round_robin", "nemo_round_robin": "round_r
                "nemo_contiguous": "contiguous"}
 
 
+#: One-row lengths of the growth columns: cost at each length / cost at the reference one.
+GROWTH = {True: ((1, 1024), (1, 4096), (1, 16384)),
+          False: ((1, 8192), (1, 131072), (1, 1048576))}
+GROWTH_REF = {True: "1x4096", False: "1x131072"}
+
+
 def host_specs(quick: bool, seed: int) -> list[dict[str, Any]]:
     """Batch specs (document lengths per row) of the benchmark shapes."""
     shapes = [(1, 4096), (2, 1024)] if quick else [(1, 131072), (8, 16384)]
+    shapes += [g for g in GROWTH[quick] if g not in shapes]
     specs = []
     for i, (b, s) in enumerate(shapes):
         specs.append({"doc_lens": packed_rows(b, s, seed + i, cap_fraction=0.25),
@@ -77,6 +84,61 @@ def time_ours(name: str, batch: dict[str, torch.Tensor], repeats: int, warmup: i
     timing["verify"] = time_median(lambda: local_vector(0, batch, layout), repeats=repeats,
                                    warmup=warmup)
     return timing
+
+
+def megatron_floor(batch: dict[str, torch.Tensor], rank: int = 0, cp: int = CP) -> None:
+    """What Megatron-Core's ``get_batch_on_this_cp_rank`` does, in this process: head-tail
+    chunk indices and one ``index_select`` per key (the floor every backend is held to)."""
+    for v in batch.values():
+        seq = v.shape[1]
+        c = seq // (2 * cp)
+        idx = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                         torch.arange((2 * cp - rank - 1) * c, (2 * cp - rank) * c)])
+        v.index_select(1, idx)
+
+
+def time_interleaved(names: list[str], batch: dict[str, torch.Tensor], repeats: int,
+                     warmup: int) -> dict[str, dict[str, Any]]:
+    """Process CPU time of ``shard`` + entering the context (the attention plan is built
+    there) for every backend and the in-process floor, one run of each in turn per repeat,
+    so load that comes and goes hits every backend alike. ``verify`` times the host part of
+    ``verify_layout`` the same way."""
+    import statistics
+    import time
+
+    from cp_core.verify import local_vector
+
+    sharders = {n: make_sharder(n, CP) for n in names}
+    samples: dict[str, list[float]] = {n: [] for n in [*names, "floor"]}
+    verify: dict[str, list[float]] = {n: [] for n in names}
+    holder: dict[str, Any] = {}
+    for i in range(warmup + repeats):
+        for n in [*names, "floor"]:
+            b = clone_batch(batch)
+            t0 = time.process_time()
+            if n == "floor":
+                megatron_floor(b)
+            else:
+                ctx_factory, out = sharders[n].shard(b)
+                with ctx_factory():
+                    holder[n] = out
+            dt = time.process_time() - t0
+            if n != "floor":
+                layout = sharders[n].shard_layout
+                t1 = time.process_time()
+                local_vector(0, batch, layout)
+                if i >= warmup:
+                    verify[n].append(time.process_time() - t1)
+            if i >= warmup:
+                samples[n].append(dt)
+    out: dict[str, dict[str, Any]] = {}
+    for n, xs in samples.items():
+        out[n] = {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs),
+                  "repeats": repeats, "warmup": warmup, "clock": "process_time"}
+        if n != "floor":
+            out[n]["input_ids"] = _fingerprint(holder[n]["input_ids"])
+            out[n]["verify"] = {"median_s": statistics.median(verify[n])}
+    return out
 
 
 def time_peers(specs: list[dict[str, Any]], out_dir: Path, repeats: int, warmup: int
@@ -122,12 +184,15 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
         for spec in specs:
             batch = build_from_spec(spec)
             shape = "x".join(map(str, batch["input_ids"].shape))
-            for n in names:
-                try:
-                    ours[(n, shape)] = time_ours(n, batch, repeats, warmup)
-                except Exception as exc:
-                    ours[(n, shape)] = {"error": f"{type(exc).__name__}: {exc}"}
-                    notes.append(f"{n} on {shape} failed: {type(exc).__name__}: {exc}")
+            big = batch["input_ids"].numel() > 300_000
+            try:
+                timed = time_interleaved(names, batch, max(3, repeats // 4) if big else repeats,
+                                         1 if big else warmup)
+            except Exception as exc:
+                timed = {n: {"error": f"{type(exc).__name__}: {exc}"} for n in names}
+                notes.append(f"{shape} failed: {type(exc).__name__}: {exc}")
+            for n, t in timed.items():
+                ours[(n, shape)] = t
     finally:
         torch.set_num_threads(threads)
     peer_t: dict[tuple[str, str], dict[str, Any]] = {}
@@ -137,7 +202,9 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
         notes += peer_notes
     shapes = ["x".join(str(d) for d in (len(s["doc_lens"]), sum(s["doc_lens"][0]))) for s in specs]
     rows: list[dict[str, Any]] = []
+    ref = GROWTH_REF[quick]
     for shape in shapes:
+        floor = ours.get(("floor", shape), {}).get("median_s")
         for n in names:
             t = ours[(n, shape)]
             if "error" in t:
@@ -145,6 +212,12 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
                 continue
             row: dict[str, Any] = {"backend": n, "shape": shape, "ms": 1e3 * t["median_s"],
                                    "verify_ms": 1e3 * t["verify"]["median_s"], "timing": t}
+            if floor:
+                row["x_floor"] = t["median_s"] / floor
+                row["x_floor_with_verify"] = (t["median_s"] + t["verify"]["median_s"]) / floor
+            base = ours.get((n, ref), {}).get("median_s")
+            if base and shape.startswith("1x"):
+                row["growth"] = t["median_s"] / base
             same = []
             for case, col in (("megatron_head_tail", "vs_megatron"),
                               ("nemo_round_robin", "vs_nemo_rr"),
@@ -157,6 +230,9 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
                     same.append(f"{case}:{'yes' if p['input_ids'] == t['input_ids'] else 'NO'}")
             row["same_as_peer"] = ",".join(same) or None
             rows.append(row)
+        if floor:
+            rows.append({"backend": "[floor] megatron-style, in process", "shape": shape,
+                         "ms": 1e3 * floor, "timing": ours[("floor", shape)]})
         for case in ("megatron_head_tail", "nemo_round_robin", "nemo_contiguous"):
             p = peer_t.get((case, shape))
             if p is not None:
@@ -166,7 +242,11 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
         notes.append(f"backend {n} is installed but does not load: {err}")
     if peers and not peer_t:
         notes.append("no peer could be timed (see the notes above)")
-    notes.append("ms = median of the shard call + entering/leaving its context, rank 0 of "
+    notes.append(f"x_floor = ms / the in-process Megatron-style floor of the same shape "
+                 f"(head-tail index_select per key, timed interleaved with the backends); "
+                 f"growth = ms / ms at {ref} (one row; linear in S is 8x per 8x tokens)")
+    notes.append("ms = median process CPU time of the shard call + entering/leaving its "
+                 "context (where the attention plan is built), backends interleaved, rank 0 of "
                  f"cp={CP}, one thread; verify_ms = the host part verify_layout adds to every "
                  "shard (batch and layout fingerprints; one all-gather of 88 bytes per rank "
                  "on top); vs_* = ours / peer (< 1: ours faster); same_as_peer: "

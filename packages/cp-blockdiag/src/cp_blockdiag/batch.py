@@ -38,7 +38,6 @@ from cp_core.backend_api import (
     contiguous_local_indices,
     cp_rank,
     cp_size,
-    document_positions,
     make_plan,
     normalize_batch,
     per_chunk_multiple,
@@ -78,7 +77,9 @@ def _finish(nb: Any, cp_mesh: Any, docs: Documents, out: dict[str, Any],
             window: int | None, chunk: int | None,
             transport_options: Mapping[str, Any] | None) -> ShardResult:
     ids = docs.padded(int(layout.padded_seq_len or nb.seq_len))
-    mask = DocumentMask(ids, document_positions(ids), attention, window, chunk)
+    # Positions within documents only when a pair-by-pair path reads them (DocumentMask
+    # derives them on first read); the fused pieces need the ids alone.
+    mask = DocumentMask(ids, None, attention, window, chunk)
     route = build_route(ids, cp_size(cp_mesh), cp_rank(cp_mesh), exchange)
     plan = make_plan(cp_mesh, layout, mask, attention=attention,
                      transport=RoutedTransport(route), options=transport_options)

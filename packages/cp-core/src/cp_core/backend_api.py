@@ -91,6 +91,7 @@ from cp_core.padding import (
     thd_document_divisor,
 )
 from cp_core.registry import Backend
+from cp_core.runs import RankRuns
 from cp_core.sharder import ContextParallelSharder
 from cp_core.stacks import ThreadStack
 
@@ -108,7 +109,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # records
-    "Backend", "CPBackendConfig", "ContextParallelSharder", "ShardLayout", "CtxFactory",
+    "Backend", "CPBackendConfig", "ContextParallelSharder", "ShardLayout", "RankRuns", "CtxFactory",
     "ShardResult", "IndexFn", "FlatStreamConfig",
     # mesh
     "CPMeshLike", "SimulatedCPMesh", "cp_rank", "cp_size", "cp_group",

@@ -74,8 +74,18 @@ class Documents:
 
     def __init__(self, ids: torch.Tensor | Callable[[], torch.Tensor],
                  sources: tuple[str, ...] | Callable[[], tuple[str, ...]],
-                 source_pad: bool = False) -> None:
+                 source_pad: bool = False,
+                 segments: Callable[[], tuple[Any, ...] | None] | None = None) -> None:
         self._ids, self._sources, self.source_pad = ids, sources, source_pad
+        self._segments = segments
+
+    def segments(self) -> tuple[Any, ...] | None:
+        """``(starts, ends, rows, batch_size)`` numpy arrays when every document is one
+        hole-free run of a row (no pad inside any row) and the ids were not built yet, else
+        None: the attention rectangles then cost O(documents) instead of O(tokens)."""
+        if self._segments is None or not callable(self._ids):
+            return None
+        return self._segments()
 
     @property
     def ids(self) -> torch.Tensor:
@@ -248,7 +258,8 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
         # Nothing to refuse: documents from restarting positions (or one per row) and the
         # caller's pad, built when first read (a static layout's shard stays this cheap).
         return Documents(lambda: _implicit_ids(batch, bsz, seq, device),
-                         lambda: _implicit_sources(batch, bsz, seq))
+                         lambda: _implicit_sources(batch, bsz, seq),
+                         segments=lambda: _implicit_segments(batch, bsz, seq, device))
     by_position = _position_source(batch, bsz, seq, device)
     if by_position is not None:
         found["position_ids"] = by_position
@@ -274,6 +285,34 @@ def _implicit_ids(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.de
         ids = torch.ones(bsz, seq, dtype=torch.long, device=device)
     pad, _ = _caller_pad(batch, bsz, seq, device)
     return canonical_ids(ids, ~pad) if bool(pad.any()) else ids
+
+
+def _implicit_segments(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
+                       ) -> tuple[Any, ...] | None:
+    """The implicit documents as runs, read from the restarts of ``position_ids`` alone (one
+    comparison over the positions; no id tensor), or None when the caller marked pad."""
+    import numpy as np
+
+    pad, _ = _caller_pad(batch, bsz, seq, device)
+    if bool(pad.any()):
+        return None
+    pos = position_rows(batch.get("position_ids"), bsz, seq)
+    row_starts = np.arange(bsz, dtype=np.int64) * seq
+    if pos is not None and seq > 1:
+        r, c = (pos[:, 1:] == 0).nonzero(as_tuple=True)
+        flat = np.concatenate((row_starts, (r * seq + c + 1).cpu().numpy()))
+        flat.sort()
+    else:
+        flat = row_starts
+    rows = flat // seq
+    # A document ends where the next one starts, or at the end of its row.
+    ends = np.minimum(np.concatenate((flat[1:], [bsz * seq])), (rows + 1) * seq)
+    starts, ends = flat - rows * seq, ends - rows * seq
+    first = rows == 0
+    if bsz == 1 or (first.sum() * bsz == rows.size
+                    and (starts.reshape(bsz, -1) == starts[first]).all()):
+        return starts[first], ends[first], None, 1  # every row alike: one shared set
+    return starts, ends, rows, bsz
 
 
 def _implicit_sources(batch: Mapping[str, Any], bsz: int, seq: int) -> tuple[str, ...]:

@@ -25,7 +25,6 @@ from cp_core.batch import (
 )
 from cp_core.documents import (
     Documents,
-    document_positions,
     resolve_documents,
     without_document_keys,
 )
@@ -41,6 +40,7 @@ from cp_core.layout import (
 )
 from cp_core.in_forward import shard_sequence_for_cp_contiguous, shard_sequence_for_cp_round_robin
 from cp_core.mesh import cp_rank, cp_size
+from cp_core.runs import RankRuns, peek_lazy
 from cp_core.padding import contiguous_divisor, per_chunk_multiple, round_robin_divisor
 
 CtxFactory = Callable[[], ContextManager[Any]]
@@ -63,13 +63,13 @@ def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
 def build_document_mask(docs: Documents, padded_len: int, *, attention: AttentionKind,
                         window: int | None, chunk: int | None) -> DocumentMask:
     """The :class:`DocumentMask` of resolved documents over rows padded to ``padded_len``
-    (pad slots are document 0); the positions are built when the mask is first read."""
+    (pad slots are document 0); the ids are built when the mask is first read, the positions
+    only when a transport reads them (the rectangles need the ids alone)."""
 
-    def build() -> tuple[torch.Tensor, torch.Tensor]:
-        ids = docs.padded(padded_len)
-        return ids, document_positions(ids)
+    def build() -> tuple[torch.Tensor, None]:
+        return docs.padded(padded_len), None  # positions when a pair-by-pair path reads them
 
-    return DocumentMask.deferred(build, attention, window, chunk)
+    return DocumentMask.deferred(build, attention, window, chunk, segments=docs.segments)
 
 
 def normalize_with_documents(batch: Mapping[str, Any], **normalize_kw: Any
@@ -84,11 +84,17 @@ def make_plan(cp_mesh: Any, layout: ShardLayout, mask: DocumentMask, *,
               attention: AttentionKind = "causal", transport: Callable | None = None,
               options: Mapping[str, Any] | None = None) -> AttentionPlan:
     """An :class:`AttentionPlan` for a layout (``transport=None``: the all-gather transport)."""
-    assert layout.local_token_global_indices is not None and layout.rank_global_indices is not None
+    assert layout.local_token_global_indices is not None
+    runs = layout.rank_runs
+    # A layout of runs hands its runs on: the plan expands every rank's indices only if a
+    # transport that needs them (allgather, ulysses) reads them.
+    ranks = peek_lazy(layout, "rank_global_indices")
+    assert runs is not None or ranks is not None
     return AttentionPlan(
         cp_mesh=cp_mesh, cp_rank=layout.cp_rank, cp_size=layout.cp_size,
-        q_index=layout.local_token_global_indices, rank_indices=layout.rank_global_indices,
+        q_index=layout.local_token_global_indices, rank_indices=ranks,
         mask=mask, kind=attention, transport=transport, options=dict(options or {}),
+        rank_runs=runs,
     )
 
 
@@ -106,6 +112,14 @@ def _static_rank_indices(index_fn: IndexFn, size: int, padded_len: int, device: 
     ranks = all_rank_indices(index_fn, size, padded_len, device)
     runs = tuple(tuple((r.start, r.length) for r in index_runs(row)) for row in ranks)
     return ranks, runs
+
+
+@functools.lru_cache(maxsize=64)
+def _static_rank_runs(index_fn: IndexFn, size: int, padded_len: int, device: torch.device
+                      ) -> RankRuns:
+    """The cached runs of :func:`_static_rank_indices` as :class:`RankRuns` (read-only)."""
+    runs = _static_rank_indices(index_fn, size, padded_len, device)[1]
+    return RankRuns.build([[s for s, _ in r] for r in runs], [[n for _, n in r] for r in runs])
 
 
 #: Up to this many contiguous runs per rank, slices are copied run by run (``narrow`` +
@@ -221,6 +235,7 @@ def shard_normalized(
         local_token_global_indices=local, original_seq_len=nb.seq_len,
         padded_seq_len=padded_len, rank_global_indices=ranks, pad_multiple=divisor,
         cp_rank=rank, cp_size=size,
+        rank_runs=_static_rank_runs(index_fn, size, padded_len, torch.device(device)),
     )
     return out, layout
 

@@ -10,23 +10,27 @@ index tensor a gather needs is expanded only when a gather first asks for it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RankRuns:
     """Per rank, in local order, the global ``starts`` and ``lengths`` of its runs.
 
     Adjacent runs that continue each other are merged and empty runs dropped on construction
-    (:meth:`build`), so two layouts with the same index maps have the same runs.
+    (:meth:`build`), so two layouts with the same index maps have the same runs (compare them
+    with :meth:`describe`; the record itself compares by identity).
     """
 
     starts: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Tables derived from the runs (a static layout's runs are shared by every step)."""
 
     @property
     def size(self) -> int:
@@ -57,10 +61,15 @@ class RankRuns:
             return torch.zeros(0, 0, dtype=torch.long, device=device)
         return torch.stack([self.local_indices(r, device) for r in range(self.size)])
 
-    def describe(self) -> tuple[tuple[int, ...], ...]:
-        """A hashable, exact description (what the layout check compares across ranks)."""
-        return tuple(tuple(np.stack([s, n], 1).reshape(-1).tolist())
-                     for s, n in zip(self.starts, self.lengths))
+    def describe(self) -> str:
+        """An exact digest of every rank's runs (what the layout check compares across ranks):
+        equal digests mean equal index maps."""
+        h = hashlib.blake2b(digest_size=16)
+        for s, n in zip(self.starts, self.lengths):
+            h.update(np.int64(s.size).tobytes())
+            h.update(np.ascontiguousarray(s, np.int64).tobytes())
+            h.update(np.ascontiguousarray(n, np.int64).tobytes())
+        return f"runs:{self.size}:{h.hexdigest()}"
 
     @classmethod
     def build(cls, starts: Any, lengths: Any) -> "RankRuns":
@@ -155,4 +164,10 @@ def install_lazy_indices(cls: type, name: str, runs_field: str) -> None:
                                                "when read while unset)"))
 
 
-__all__ = ["RankRuns", "install_lazy_indices"]
+def peek_lazy(obj: Any, name: str) -> Any:
+    """The value of a field installed by :func:`install_lazy_indices` if it is already set,
+    else None (never expands)."""
+    return obj.__dict__.get(f"_lazy_{name}")
+
+
+__all__ = ["RankRuns", "install_lazy_indices", "peek_lazy"]

@@ -40,7 +40,7 @@ from cp_core.layout import ShardLayout
 from cp_core.mesh import cp_group, cp_rank, cp_size
 
 #: Bumped when the vector's meaning changes, so mixed library versions are told apart.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 #: Elements flattened into one reduction; bounds the temporary int64 copy to 8 MiB.
 _CHUNK = 1 << 20
 #: Odd multiplier of the position weights (Knuth's multiplicative hash constant).
@@ -71,21 +71,35 @@ def _as_int_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+_WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _weights(device: torch.device, n: int) -> torch.Tensor:
+    """``(j * _WEIGHT_MULT + 1) mod 2^31`` for ``j < n``, cached per device (the same
+    position weights serve every chunk; the chunk's own multiplier tells chunks apart)."""
+    key = (str(device), _CHUNK)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        j = torch.arange(_CHUNK, dtype=torch.int64, device=device)
+        w = _WEIGHTS[key] = (j * _WEIGHT_MULT + 1) & 0x7FFFFFFF
+    return w[:n]
+
+
 def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:
     """Two exact int64 sums over the bits of ``t``: plain, and weighted by position.
 
-    The weighted sum notices permuted values; integer wrap-around keeps both exact and
-    independent of the order a device reduces in.
+    The weighted sum notices permuted values: within a chunk each position has its own
+    weight, and each chunk's sum is multiplied by a weight of its own before adding.
+    Integer wrap-around keeps both exact and independent of the order a device reduces in.
     """
     flat = t.detach().reshape(-1)
     plain = torch.zeros((), dtype=torch.int64, device=flat.device)
     weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), _CHUNK):
+    for c, start in enumerate(range(0, flat.numel(), _CHUNK)):
         part = _as_int_bits(flat[start:start + _CHUNK])
-        pos = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device)
-        weights = (pos * _WEIGHT_MULT + 1) & 0x7FFFFFFF
         plain += part.sum()
-        weighted += (part * weights).sum()
+        chunk_weight = (c * _WEIGHT_MULT * 2 + 1) & 0x7FFFFFFF
+        weighted += (part * _weights(flat.device, part.numel())).sum() * chunk_weight
     return int(plain), int(weighted)
 
 
@@ -126,8 +140,12 @@ def batch_fingerprint(batch: Mapping[str, Any]) -> tuple[int, int]:
 
 def layout_fingerprint(layout: ShardLayout) -> tuple[int, int]:
     """Two 63-bit ints over the parts of ``layout`` every CP rank must agree on."""
+    # A layout of runs is described by its runs (O(runs), the same map as the expanded
+    # indices); only a layout given as an index tensor pays for hashing every index.
+    runs = layout.rank_runs
     text = _describe_value({
-        "rank_global_indices": layout.rank_global_indices,
+        "rank_global_indices": runs.describe() if runs is not None
+        else layout.rank_global_indices,
         "padded_seq_len": layout.padded_seq_len,
         "original_seq_len": layout.original_seq_len,
         "pad_multiple": layout.pad_multiple,
@@ -152,9 +170,13 @@ def local_vector(rank: int, batch: Mapping[str, Any], layout: ShardLayout,
         vec[_BATCH0], vec[_BATCH1] = -1, -1
     vec[_LAYOUT0], vec[_LAYOUT1] = layout_fingerprint(layout)
     local = layout.local_token_global_indices
-    ranks = layout.rank_global_indices
     own_row = 1
-    if local is not None and ranks is not None:
+    if local is not None and layout.rank_runs is not None:
+        runs = layout.rank_runs
+        own_row = int(rank < runs.size and torch.equal(
+            runs.local_indices(rank, local.device), local.reshape(-1).to(torch.int64)))
+    elif local is not None and layout.rank_global_indices is not None:
+        ranks = layout.rank_global_indices
         row = ranks[rank] if rank < ranks.shape[0] else None
         own_row = int(row is not None and torch.equal(row.to(local.device), local))
     vec[_OWN_ROW] = own_row

@@ -11,6 +11,7 @@ before it, as on every other backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,22 @@ def stream_spans(ids: torch.Tensor) -> np.ndarray:
     starts = real[new]
     ends = np.append(real[np.nonzero(new)[0][1:] - 1], real[-1]) + 1
     return np.stack([starts, ends], axis=1).astype(np.int64)
+
+
+def document_spans(docs: Any, bsz: int, seq: int) -> np.ndarray:
+    """:func:`stream_spans` of a resolved ``Documents``: from its runs when it knows them
+    (``Documents.segments()``: O(documents), no per-token scan), else from its ids."""
+    runs = docs.segments()
+    if runs is None:
+        return stream_spans(docs.ids)
+    starts, ends, rows = (np.asarray(x, np.int64) if x is not None else None
+                          for x in runs[:3])
+    if rows is None:  # one set of runs shared by every row
+        rows = np.repeat(np.arange(bsz, dtype=np.int64), starts.size)
+        starts, ends = np.tile(starts, bsz), np.tile(ends, bsz)
+    keep = ends > starts
+    base = rows[keep] * seq
+    return np.stack([base + starts[keep], base + ends[keep]], axis=1)
 
 
 def span_rows(spans: np.ndarray, seq: int) -> np.ndarray:
@@ -80,4 +97,4 @@ class RealKeyMask:
         return real_keys_only(self.inner.attention_rects(), self.real)  # type: ignore[attr-defined]
 
 
-__all__ = ["stream_spans", "span_rows", "RealKeyMask"]
+__all__ = ["stream_spans", "document_spans", "span_rows", "RealKeyMask"]

@@ -19,7 +19,7 @@ kernel that sums rectangles, so overlap is refused at construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -246,8 +246,10 @@ class RectangleTokenMask:
     """
 
     rects: AttnRectangles
-    lo: torch.Tensor
-    hi: torch.Tensor
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+    """Per query row, the inclusive key intervals (None until :meth:`block` first needs them:
+    the p2p runtime reads :meth:`attention_rects` only, and building the table is O(S))."""
     window: int | None = None
     """The sliding window the rectangles were built with (None: none, or not known)."""
     chunk: int | None = None
@@ -256,6 +258,8 @@ class RectangleTokenMask:
         default=None, compare=False, repr=False)
     """``(kind, window, chunk) -> mask`` of the same documents with another attention kind
     (set when the rectangles were built from the step's documents; None: they cannot be)."""
+    table_device: Any = field(default=None, compare=False, repr=False)
+    """Where the interval table is built when it is first needed."""
 
     @classmethod
     def from_rectangles(cls, rects: AttnRectangles, device: torch.device | str | None = None,
@@ -265,9 +269,16 @@ class RectangleTokenMask:
         """Precompute the interval table of ``rects`` on ``device``; ``window`` / ``chunk``
         record the kind they were built for, so a model call can be checked against it;
         ``derive`` rebuilds the mask for another kind (see :meth:`for_kind`)."""
-        lo, hi = rects.interval_table()
-        return cls(rects, torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device),
-                   window, chunk, derive)
+        return cls(rects, None, None, window, chunk, derive, device)
+
+    def _intervals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.lo is None or self.hi is None:
+            lo, hi = self.rects.interval_table()
+            # A cache on a frozen record: the table is a pure function of the rectangles.
+            object.__setattr__(self, "lo", torch.from_numpy(lo).to(self.table_device))
+            object.__setattr__(self, "hi", torch.from_numpy(hi).to(self.table_device))
+        assert self.lo is not None and self.hi is not None
+        return self.lo, self.hi
 
     def for_kind(self, kind: str, window: int | None = None, chunk: int | None = None
                  ) -> "RectangleTokenMask | None":
@@ -278,8 +289,9 @@ class RectangleTokenMask:
 
     def block(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """Bool ``[1, len(q_index), len(k_index)]``: True where the query sees the key."""
-        lo = self.lo.to(q_index.device).index_select(0, q_index)  # [nq, depth]
-        hi = self.hi.to(q_index.device).index_select(0, q_index)
+        lo_all, hi_all = self._intervals()
+        lo = lo_all.to(q_index.device).index_select(0, q_index)  # [nq, depth]
+        hi = hi_all.to(q_index.device).index_select(0, q_index)
         k = k_index.view(1, -1)
         # One [nq, nk] comparison per slot keeps memory at one mask, whatever the depth.
         allowed = (k >= lo[:, :1]) & (k <= hi[:, :1])

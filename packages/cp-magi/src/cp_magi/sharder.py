@@ -49,7 +49,7 @@ from cp_core.backend_api import (
     round_up,
     without_document_keys,
 )
-from cp_magi.documents import RealKeyMask, span_rows, stream_spans
+from cp_magi.documents import RealKeyMask, document_spans, span_rows, stream_spans
 from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, dispatch, rank_token_indices
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
@@ -145,7 +145,7 @@ def _build_mask(docs: Documents, rects: Any, bsz: int, seq: int, padded: int,
         out = AttnRectangles(rects.q_ranges, rects.k_ranges, rects.types, padded)
         out.validate(check_overlap=False)  # the caller's object was validated when built
         return out
-    spans = stream_spans(docs.ids)
+    spans = document_spans(docs, bsz, seq)
     if mask == "documents":
         return document_mask(spans, padded, attention=attention, window=window, chunk=chunk)
     rows = span_rows(spans, seq)
@@ -178,6 +178,8 @@ def _kind_builder(docs: Documents, padded: int, device: torch.device
 
 def _has_holes(docs: Documents) -> bool:
     """True when some pad token lies inside a document (between its first and last token)."""
+    if docs.segments() is not None:
+        return False  # documents known as runs: there is no pad at all
     spans = stream_spans(docs.ids)
     return int((spans[:, 1] - spans[:, 0]).sum()) != int((~docs.pad).sum())
 

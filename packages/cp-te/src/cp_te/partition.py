@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_core.backend_api import CPBatchError, CPConfigError
+from cp_core.backend_api import CPBatchError, CPConfigError, RankRuns
 
 
 def _check(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -87,6 +87,13 @@ def partitioned_indices_all_ranks(cu_seqlens_padded: torch.Tensor, cp_size: int)
     return _expand_runs(starts, run_len, total // cp_size)
 
 
+def partition_rank_runs(cu_seqlens_padded: torch.Tensor, cp_size: int) -> RankRuns:
+    """Every rank's partition as runs (:class:`cp_core.runs.RankRuns`), O(sequences x cp):
+    what a rank needs to know about the others without listing their tokens."""
+    starts, run_len = partition_runs(cu_seqlens_padded, cp_size)
+    return RankRuns.build(starts, run_len)
+
+
 def reference_partitioned_indices(seq_lens_padded: list[int], cp_size: int, cp_rank: int
                                   ) -> list[int]:
     """Per-document Python loop of the same partition; for tests only (slow, obviously right)."""
@@ -105,5 +112,6 @@ __all__ = [
     "partition_runs",
     "partitioned_indices",
     "partitioned_indices_all_ranks",
+    "partition_rank_runs",
     "reference_partitioned_indices",
 ]

@@ -40,8 +40,8 @@ from cp_core.backend_api import (
     thd_document_divisor,
     without_document_keys,
 )
-from cp_te.partition import partitioned_indices_all_ranks
-from cp_te.stream import ThdStream, segments_from_document_ids
+from cp_te.partition import partition_rank_runs, partitioned_indices_all_ranks
+from cp_te.stream import ThdStream, segments_from_document_ids, segments_from_runs
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
 
 #: Keys the sharder writes (any caller value under these names is replaced).
@@ -73,6 +73,12 @@ def document_segments(batch: Mapping[str, Any], sentinel: int = DEFAULT_SENTINEL
     """The documents of ``batch`` (the cp-core resolver, as on every backend) and the THD
     segments they tile the rows into."""
     docs = resolve_documents(batch, sentinel=sentinel)
+    runs = docs.segments()
+    if runs is not None:  # documents known as runs: no per-token scan of their ids
+        primary = batch.get("input_ids", batch.get("inputs_embeds"))
+        if isinstance(primary, torch.Tensor) and primary.dim() >= 2:
+            bsz, seq = int(primary.shape[0]), int(primary.shape[1])
+            return docs, segments_from_runs(runs, bsz, seq, primary.device)
     return docs, segments_from_document_ids(docs.ids)
 
 
@@ -100,7 +106,15 @@ def _stream_document_mask(stream: ThdStream, positions: torch.Tensor,
             ids[0, pad_slots] = 0
         return ids, pos
 
-    return DocumentMask.deferred(build, attention, window, chunk)
+    def segments() -> tuple[Any, Any] | None:
+        # Without caller pad inside them, the documents are the stream's segments: their
+        # rectangles follow from the segment table, no [T] id tensor is built.
+        if caller_pad is not None and bool(caller_pad.any()):
+            return None
+        start = stream.stream_start.detach().cpu().numpy()
+        return start, start + stream.segments.length.detach().cpu().numpy()
+
+    return DocumentMask.deferred(build, attention, window, chunk, segments=segments)
 
 
 def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: Any,
@@ -154,8 +168,8 @@ def shard_batch_thd(
     ``DotProductAttention`` module that runs inside it. The caller's batch is not modified.
     """
     docs, segments = document_segments(batch, seq_lens_sentinel)
-    bsz, seq = docs.ids.shape
-    te_on = te_path_active(use_te, docs.ids.device)  # before any work: use_te=always may refuse
+    bsz, seq = segments.batch_size, segments.seq_len
+    te_on = te_path_active(use_te, segments.length.device)  # use_te=always may refuse
     if te_on and int(segments.length.sum()) != int((~docs.pad).sum()):
         # TE's kernel attends every token inside a document's cu_seqlens range, pad holes too;
         # the cp-core transport masks them.
@@ -172,8 +186,10 @@ def shard_batch_thd(
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
     multiple = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                                   sequence_parallel=sequence_parallel, block_size=block_size)
-    stream, ranks = plan_stream(segments, size, multiple)
-    local = ranks[rank]
+    # Other ranks' partitions as runs (O(documents x cp)); only this rank's tokens are listed.
+    stream = ThdStream.build(segments, thd_document_divisor(size, multiple))
+    rank_runs = partition_rank_runs(stream.cu_seqlens_padded(), size)
+    local = rank_runs.local_indices(rank, segments.length.device)
     seg, offset = stream.locate(local)
     src = stream.caller_source(seg, offset)
     added = src < 0
@@ -208,7 +224,7 @@ def shard_batch_thd(
     layout = ShardLayout(
         local_token_global_indices=local, original_seq_len=bsz * seq,
         padded_seq_len=stream.total, input_row_shape=(bsz, seq),
-        input_token_stream_positions=positions, rank_global_indices=ranks,
+        input_token_stream_positions=positions, rank_runs=rank_runs,
         pad_multiple=stream.divisor, cp_rank=rank, cp_size=size,
         extras={"cu_seqlens_padded": cu, "boundary_source": segments.source},
     )

@@ -35,7 +35,15 @@ class RunTable:
 
     @classmethod
     def of(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
-        """The runs of ``ranks`` in one table."""
+        """The runs of ``ranks`` in one table (cached on ``runs``)."""
+        key = ("run_table", tuple(ranks))
+        got = runs.cache.get(key)
+        if got is None:
+            got = runs.cache[key] = cls._build(runs, ranks)
+        return got
+
+    @classmethod
+    def _build(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
         st = [runs.starts[r] for r in ranks]
         ln = [runs.lengths[r] for r in ranks]
         lo = [runs.local_offsets(r) for r in ranks]

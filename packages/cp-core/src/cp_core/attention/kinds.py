@@ -52,7 +52,7 @@ def _mask_for_kind(mask: Any, kind: AttentionKind, window: int | None, chunk: in
     """The same documents' mask with another kind: a :class:`DocumentMask` directly, a
     backend's own mask through its ``for_kind(kind, window, chunk)`` (None: it cannot)."""
     if isinstance(mask, DocumentMask):
-        return DocumentMask(mask.doc_ids, mask.doc_pos, kind, window, chunk)
+        return mask.with_kind(kind, window, chunk)
     for_kind = getattr(mask, "for_kind", None)
     return for_kind(kind, window, chunk) if callable(for_kind) else None
 

@@ -45,29 +45,57 @@ class DocumentMask:
                  kind: AttentionKind = "causal", window: int | None = None,
                  chunk: int | None = None) -> None:
         self._ids, self._pos = doc_ids, doc_pos
-        self._build: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._build: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        # ``segment_rects`` arguments ``(starts, ends[, rows, batch])`` when every document
+        # is one hole-free segment, None when not: the rectangles then come from the
+        # segments in O(documents) and no per-token id tensor is ever built.
+        self._segments: Callable[[], tuple[Any, ...] | None] | None = None
         self.kind, self.window, self.chunk = kind, window, chunk
 
     @classmethod
-    def deferred(cls, build: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    def deferred(cls, build: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
                  kind: AttentionKind = "causal", window: int | None = None,
-                 chunk: int | None = None) -> "DocumentMask":
-        """A mask whose ``(doc_ids, doc_pos)`` come from ``build()`` when first read."""
+                 chunk: int | None = None,
+                 segments: Callable[[], tuple[Any, ...] | None] | None = None
+                 ) -> "DocumentMask":
+        """A mask whose ``(doc_ids, doc_pos)`` come from ``build()`` when first read (``doc_pos``
+        may be None: it is then derived from the ids when first read)."""
         mask = cls(None, None, kind, window, chunk)
         mask._build = build
+        mask._segments = segments
         return mask
+
+    def with_kind(self, kind: AttentionKind, window: int | None = None,
+                  chunk: int | None = None) -> "DocumentMask":
+        """The same documents with another attention kind (sharing what was built so far)."""
+        if self._ids is not None:
+            return DocumentMask(self._ids, self._pos, kind, window, chunk)
+
+        def shared() -> tuple[torch.Tensor, torch.Tensor | None]:
+            # The ids are built once, by this mask, for both.
+            return self.doc_ids, self._pos
+
+        return DocumentMask.deferred(shared, kind, window, chunk, segments=self._segments)
 
     def _materialize(self) -> None:
         if self._ids is None:
             assert self._build is not None
             self._ids, self._pos = self._build()
             self._build = None
+        if self._pos is None:
+            # Positions are only read by the pair-by-pair paths (allgather, planners); the
+            # rectangles need the ids alone, so a build may leave them to be derived here.
+            from cp_core.documents import document_positions
+
+            self._pos = document_positions(self._ids)
 
     @property
     def doc_ids(self) -> torch.Tensor:
         """``[B, S_pad]`` int64 document id of every stream position (0 == pad)."""
-        self._materialize()
-        assert self._ids is not None
+        if self._ids is None:
+            assert self._build is not None
+            self._ids, self._pos = self._build()
+            self._build = None
         return self._ids
 
     @property
@@ -102,8 +130,14 @@ class DocumentMask:
 
     def attention_rects(self) -> "BandRects":
         """The mask as band rectangles over ``[B, S_pad]`` (see :mod:`cp_core.attention.rects`)."""
-        from cp_core.attention.rects import document_rects
+        from cp_core.attention.rects import document_rects, segment_rects
 
+        if self._ids is None and self._segments is not None:
+            segs = self._segments()
+            if segs is not None:
+                starts, ends, *rows_batch = segs
+                return segment_rects(starts, ends, self.kind, self.window, self.chunk,
+                                     *rows_batch)
         return document_rects(self.doc_ids, self.kind, self.window, self.chunk)
 
 

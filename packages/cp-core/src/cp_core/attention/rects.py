@@ -157,6 +157,40 @@ def document_rects(doc_ids: torch.Tensor, kind: str, window: int | None = None,
     return BandRects(arr, 1 if (bsz == 1 or shared) else bsz)
 
 
+def segment_rects(starts: Any, ends: Any, kind: str, window: int | None = None,
+                  chunk: int | None = None, rows: Any = None, batch: int = 1) -> BandRects:
+    """The mask of :func:`document_rects` for documents that are each one hole-free segment
+    ``[starts[d], ends[d])`` of batch row ``rows[d]`` (None: one stream shared by every row;
+    every other position is pad), computed from the segments alone: O(documents), no
+    per-token work.
+    """
+    st = np.asarray(starts, dtype=np.int64).reshape(-1)
+    en = np.asarray(ends, dtype=np.int64).reshape(-1)
+    rw = np.full(st.size, -1, np.int64) if rows is None else \
+        np.asarray(rows, dtype=np.int64).reshape(-1)
+    keep = en > st
+    st, en, rw = st[keep], en[keep], rw[keep]
+    if kind == "chunked":
+        # Every chunk of a document is a document of its own (measured from its first token).
+        c = int(chunk or 1)
+        count = -(-(en - st) // c)
+        first = np.repeat(st, count)
+        k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        st = first + k * c
+        en = np.minimum(st + c, np.repeat(en, count))
+        rw = np.repeat(rw, count)
+    if kind == "bidirectional":
+        dlo, dhi = -INF, INF
+    elif kind == "sliding_window":
+        dlo, dhi = -(int(window or 1) - 1), 0
+    else:
+        dlo, dhi = -INF, 0
+    out = np.empty((st.size, 7), np.int64)
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] = rw, st, en, st, en
+    out[:, 5], out[:, 6] = dlo, dhi
+    return BandRects(out, 1 if rows is None else int(batch))
+
+
 def real_keys_only(rects: BandRects, real: torch.Tensor) -> BandRects:
     """``rects`` with every key where ``real [S]`` is False removed (a rectangle's key range
     is cut at the pad runs inside it; the band bounds stay, as they are in global positions).
@@ -176,4 +210,5 @@ def real_keys_only(rects: BandRects, real: torch.Tensor) -> BandRects:
     return BandRects(np.asarray(out, dtype=np.int64).reshape(-1, 7), rects.batch)
 
 
-__all__ = ["INF", "BandRects", "RectangleMask", "band_area", "document_rects", "real_keys_only"]
+__all__ = ["INF", "BandRects", "RectangleMask", "band_area", "document_rects", "segment_rects",
+           "real_keys_only"]

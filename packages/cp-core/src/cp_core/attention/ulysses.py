@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from cp_core.attention.p2p import p2p_attention, schedule_for
 from cp_core.attention.p2p_transport import P2PTransport
+from cp_core.runs import RankRuns
 from cp_core.attention.plan import AttentionPlan
 from cp_core.attention.transport import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
@@ -83,8 +85,12 @@ def _global_plan(plan: AttentionPlan) -> AttentionPlan:
     got = plan.cache.get("ulysses")
     if got is None:
         order = plan.rank_indices.reshape(-1)
+        runs = plan.rank_runs
+        # One rank holding every rank's runs back to back, in rank order.
+        whole = None if runs is None else RankRuns.build(
+            [np.concatenate(runs.starts)], [np.concatenate(runs.lengths)])
         got = dataclasses.replace(plan, cp_rank=0, cp_size=1, q_index=order,
-                                  rank_indices=order[None], cache={})
+                                  rank_indices=order[None], cache={}, rank_runs=whole)
         plan.cache["ulysses"] = got
     return got
 
