@@ -87,3 +87,49 @@ def test_layout_from_runs_expands_indices_only_when_read():
                        layout.rank_global_indices)
     given = torch.arange(6).view(2, 3)
     assert ShardLayout(rank_global_indices=given).rank_global_indices is given
+
+
+def _pairs(rects, bsz: int, seq: int) -> torch.Tensor:
+    """The allowed pairs of band rectangles, by brute force."""
+    m = torch.zeros(bsz, seq, seq, dtype=torch.bool)
+    for b, qs, qe, ks, ke, dlo, dhi in rects.rows.tolist():
+        for q in range(qs, qe):
+            for k in range(ks, ke):
+                if dlo <= k - q <= dhi:
+                    m[slice(None) if b < 0 else b, q, k] = True
+    return m
+
+
+def test_documents_known_as_runs_give_the_same_mask_as_their_ids():
+    from cp_core.attention.rects import segment_rects
+    from cp_core.documents import resolve_documents
+
+    rng = random.Random(1)
+    for trial in range(150):
+        bsz, seq = rng.choice([1, 2, 3]), rng.randint(1, 30)
+        rows = []
+        for _ in range(bsz):
+            row: list[int] = []
+            while len(row) < seq:  # restarts at 0; a row may start mid-document
+                first = rng.choice([0, 0, 3]) if not row else 0
+                row += list(range(first, first + rng.randint(1, seq)))
+            rows.append(row[:seq])
+        if rng.random() < 0.3:
+            rows = [rows[0]] * bsz
+        batch = {"input_ids": torch.zeros(bsz, seq, dtype=torch.long),
+                 "position_ids": torch.tensor(rows)}
+        if rng.random() < 0.2:
+            del batch["position_ids"]
+        docs = resolve_documents(batch)
+        runs = docs.segments()
+        assert runs is not None
+        starts, ends, *rest = runs
+        kind = rng.choice(["causal", "bidirectional", "sliding_window", "chunked"])
+        w, c = rng.randint(1, 5), rng.randint(1, 5)
+        got = _pairs(segment_rects(starts, ends, kind, w, c, *rest), bsz, seq)
+        want = _pairs(document_rects(docs.ids, kind, w, c), bsz, seq)
+        assert torch.equal(got, want), (trial, rows, kind)
+    # Caller pad: the documents are not plain runs, so the ids decide.
+    padded = {"input_ids": torch.zeros(1, 4, dtype=torch.long),
+              "attention_mask": torch.tensor([[1, 1, 0, 1]])}
+    assert resolve_documents(padded).segments() is None

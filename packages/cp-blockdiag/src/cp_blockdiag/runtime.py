@@ -76,9 +76,9 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: B
         k_index = plan.rank_indices.reshape(-1).to(q.device)
     else:
         k_index = torch.cat([extra.to(q.device), q_index]) if extra is not None else q_index
-    if plan.options.get("transport") == "allgather":
+    if plan.options.transport == "allgather":
         # The reference kernel, kept selectable (cp.transport=allgather) for comparison.
-        budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
+        budget = int(plan.options.block_budget_bytes or DEFAULT_BLOCK_BUDGET_BYTES)
         return blocked_attention(q, k_all, v_all, q_index, k_index, plan.mask, scale=scale,
                                  block_budget_bytes=budget)
     # The exchanged keys feed cp-core's fused pieces (the same K/V index for every layer).

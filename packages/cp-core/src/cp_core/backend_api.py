@@ -32,7 +32,13 @@ from typing import Any
 from cp_core.attention.intercept import activate_plan, active_plan
 from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
 from cp_core.attention.p2p import fused_attention
-from cp_core.attention.plan import ATTENTION_KINDS, AttentionKind, AttentionPlan, DocumentMask
+from cp_core.attention.plan import (
+    ATTENTION_KINDS,
+    AttentionKind,
+    AttentionPlan,
+    DocumentMask,
+    TransportOptions,
+)
 from cp_core.attention.rects import INF, BandRects, real_keys_only
 from cp_core.attention.slices import index_runs
 from cp_core.attention.transport import (
@@ -122,7 +128,8 @@ __all__ = [
     "thd_document_divisor", "lcm", "round_up", "identity_local_indices",
     "contiguous_local_indices", "round_robin_local_indices", "shard_normalized",
     # attention plan and context factory
-    "AttentionKind", "ATTENTION_KINDS", "AttentionPlan", "DocumentMask", "build_document_mask",
+    "AttentionKind", "ATTENTION_KINDS", "AttentionPlan", "DocumentMask", "TransportOptions",
+    "build_document_mask",
     "make_plan", "make_transport_ctx", "activate_plan", "active_plan",
     # transport building blocks
     "allgather_sdpa", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Mapping, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cp_core.attention.plan import AttentionKind
+from cp_core.attention.plan import AttentionKind, TransportOptions
 from cp_core.errors import CPConfigError
 from cp_core.mesh import cp_size
 
@@ -131,9 +131,9 @@ class CPBackendConfig(BaseModel):
             "attention": self.attention,
             "window": self.window,
             "chunk": self.chunk,
-            "transport_options": {"block_budget_bytes": int(self.attn_block_budget_mb * 2**20),
-                                  "regather_kv": self.attn_regather_kv,
-                                  "transport": self.transport},
+            "transport_options": TransportOptions(
+                block_budget_bytes=int(self.attn_block_budget_mb * 2**20),
+                regather_kv=self.attn_regather_kv, transport=self.transport),
         }
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from cp_core.attention.plan import AttentionKind, AttentionPlan, DocumentMask
+from cp_core.attention.plan import AttentionKind, AttentionPlan, DocumentMask, TransportOptions
 from cp_core.batch import (
     NormalizedBatch,
     normalize_batch,
@@ -82,7 +82,7 @@ def normalize_with_documents(batch: Mapping[str, Any], **normalize_kw: Any
 
 def make_plan(cp_mesh: Any, layout: ShardLayout, mask: DocumentMask, *,
               attention: AttentionKind = "causal", transport: Callable | None = None,
-              options: Mapping[str, Any] | None = None) -> AttentionPlan:
+              options: TransportOptions | Mapping[str, Any] | None = None) -> AttentionPlan:
     """An :class:`AttentionPlan` for a layout (``transport=None``: the all-gather transport)."""
     assert layout.local_token_global_indices is not None
     runs = layout.rank_runs
@@ -93,7 +93,7 @@ def make_plan(cp_mesh: Any, layout: ShardLayout, mask: DocumentMask, *,
     return AttentionPlan(
         cp_mesh=cp_mesh, cp_rank=layout.cp_rank, cp_size=layout.cp_size,
         q_index=layout.local_token_global_indices, rank_indices=ranks,
-        mask=mask, kind=attention, transport=transport, options=dict(options or {}),
+        mask=mask, kind=attention, transport=transport, options=TransportOptions.of(options),
         rank_runs=runs,
     )
 

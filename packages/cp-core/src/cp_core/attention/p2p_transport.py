@@ -51,7 +51,7 @@ class P2PTransport:
                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
         check_local_shapes(q, k, v, plan, enable_gqa)
-        kernel: Any = plan.options.get("kernel", "auto")
+        kernel: Any = plan.options.kernel
         return p2p_attention(q, k, v, plan, scale, kernel)
 
 

@@ -6,8 +6,8 @@ communication is needed to know which key each query may see.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, get_args
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, get_args
 
 import torch
 
@@ -145,6 +145,42 @@ Transport = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
+class TransportOptions:
+    """How attention runs, from the config (``cp.transport``, ``cp.attn_*``): a typed record,
+    so a misspelt option is an error where the plan is built, not a default read later."""
+
+    transport: str | None = None
+    """``cp.transport``: the ``cp_core.transports`` entry point serving SDPA (None: the
+    default); ignored when the backend drives its own kernel (``AttentionPlan.transport``)."""
+    block_budget_bytes: int | None = None
+    """Memory budget of one block of the blocked kernel (None: the kernel's default)."""
+    regather_kv: bool = False
+    """The all-gather transport gathers K/V again in backward instead of saving them."""
+    kernel: str = "auto"
+    """The fused-kernel choice of the p2p transport."""
+
+    @classmethod
+    def of(cls, value: "TransportOptions | Mapping[str, Any] | None") -> "TransportOptions":
+        """``value`` as a record; a mapping may hold only the fields' names."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            from cp_core.errors import CPConfigError
+
+            raise CPConfigError(f"unknown transport option(s) {unknown}; known: {known}")
+        return cls(**value)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Mapping-style reading, for transports written against the older option dict."""
+        value = getattr(self, key, None) if key in {f.name for f in fields(self)} else None
+        return default if value is None else value
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """Everything a CP attention transport needs for one step.
 
@@ -158,7 +194,8 @@ class AttentionPlan:
         kind: the attention kind the sharder was configured for.
         transport: the function serving SDPA calls, ``transport(q, k, v, plan, **sdpa_kwargs)``;
             None selects the default all-gather transport.
-        options: transport options (block budget, exchange, ...).
+        options: how attention runs (:class:`TransportOptions`; a mapping of its fields is
+            converted).
     """
 
     cp_mesh: Any
@@ -169,12 +206,15 @@ class AttentionPlan:
     mask: TokenMask
     kind: AttentionKind = "causal"
     transport: Transport | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: TransportOptions = field(default_factory=TransportOptions)
     cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Host data a transport derives from the plan once (its schedule); filled on first use."""
     rank_runs: RankRuns | None = field(default=None, compare=False, repr=False)
     """Every rank's positions as runs; ``rank_indices`` may then be None and is expanded from
     them when first read (the p2p schedule reads the runs only)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", TransportOptions.of(self.options))
 
     @property
     def group(self) -> Any:
@@ -186,4 +226,5 @@ class AttentionPlan:
 
 install_lazy_indices(AttentionPlan, "rank_indices", "rank_runs")
 
-__all__ = ["AttentionKind", "ATTENTION_KINDS", "TokenMask", "DocumentMask", "AttentionPlan"]
+__all__ = ["AttentionKind", "ATTENTION_KINDS", "TokenMask", "DocumentMask", "TransportOptions",
+           "AttentionPlan"]

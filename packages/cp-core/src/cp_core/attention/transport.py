@@ -227,8 +227,8 @@ def allgather_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
     check_local_shapes(q, k, v, plan, enable_gqa)
     k_index = plan.rank_indices.reshape(-1).to(plan.q_index.device)
-    budget = int(plan.options.get("block_budget_bytes", DEFAULT_BLOCK_BUDGET_BYTES))
-    if plan.cp_size > 1 and plan.options.get("regather_kv", False):
+    budget = int(plan.options.block_budget_bytes or DEFAULT_BLOCK_BUDGET_BYTES)
+    if plan.cp_size > 1 and plan.options.regather_kv:
         return _RegatherKVAttention.apply(q, k, v, plan.q_index, k_index, plan.mask, scale,
                                           budget, plan.group)
     k_all, v_all = gather_kv(k, v, plan)
@@ -290,14 +290,14 @@ def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
     """The function that serves SDPA calls for ``plan``.
 
     ``plan.transport`` when the backend set one (a kernel only it can drive), otherwise the
-    transport named by ``plan.options["transport"]`` (``cp.transport``) from the
+    transport named by ``plan.options.transport`` (``cp.transport``) from the
     ``cp_core.transports`` entry points, ``p2p`` by default.
     """
     if plan.transport is not None:
         return plan.transport
     from cp_core.attention.transports import DEFAULT_TRANSPORT, get_transport
 
-    name = plan.options.get("transport") or DEFAULT_TRANSPORT
+    name = plan.options.transport or DEFAULT_TRANSPORT
     try:
         return get_transport(str(name))
     except CPConfigError as exc:
