@@ -48,8 +48,9 @@ def _model(arch: str, impl: str) -> Any:
     elif arch == "phi3":
         cfg, cls = (transformers.Phi3Config(sliding_window=7, pad_token_id=0, **common),
                     transformers.Phi3ForCausalLM)
-    elif arch == "mistral":
-        cfg, cls = (transformers.MistralConfig(sliding_window=6, **common),
+    elif arch.startswith("mistral"):  # "mistral-w20": a window of 20 instead of 6
+        cfg, cls = (transformers.MistralConfig(sliding_window=int(arch.partition("-w")[2] or 6),
+                                               **common),
                     transformers.MistralForCausalLM)
     else:
         cfg = transformers.Gemma3TextConfig(
@@ -233,6 +234,17 @@ def test_plain_sdpa_one_kind_architectures(pool: RankPool, arch: str,
     """Through plain SDPA (no attn_implementation="cp"): an architecture whose layers share
     one kind is exact when the sharder is configured with that kind."""
     _check(pool, arch, "round_robin", 2, "sdpa", config)
+
+
+@pytest.mark.multirank
+def test_plain_sdpa_window_longer_than_a_rank_share(pool: RankPool) -> None:
+    """Mistral with a 20-token window at cp=4 (18 tokens a rank): Hugging Face passes no mask
+    at all (is_causal=True). With the window configured it is exact; without, the layer's
+    window is read from Hugging Face's call and refused (not served as plain causal)."""
+    _check(pool, "mistral-w20", "round_robin", 4, "sdpa",
+           {"attention": "sliding_window", "window": 20})
+    with pytest.raises(Exception, match="asks for a sliding window of 20 tokens"):
+        pool.run(_case, "mistral-w20", "round_robin", 4, "sdpa")
 
 
 @pytest.mark.multirank

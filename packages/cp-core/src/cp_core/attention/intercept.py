@@ -52,8 +52,10 @@ class _SDPAIntercept(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _SDPA_FUNCS or getattr(_state, "serving", False):
             return func(*args, **kwargs)
+        from cp_core.attention.hf_layer import check_hf_layer
         from cp_core.attention.transport import call_transport
 
+        check_hf_layer(self.plan)  # a Hugging Face layer whose window the plan does not give
         _state.serving = True
         try:
             return call_transport(self.plan, args, kwargs)
