@@ -250,6 +250,27 @@ def _keeps_primary(backend: str, options: dict[str, Any]) -> bool:
         options.get("aux_only"))
 
 
+def _check_pad_positions_continue(layouts: list[Any], pos_locals: list[torch.Tensor],
+                                  bsz: int) -> None:
+    """Positions of the slots the layout added continue from the slot before them (+1) in
+    the padded stream, rebuilt from every rank's local positions by their indices."""
+    padded = layouts[0].padded_seq_len
+    flat = layouts[0].input_token_stream_positions is not None
+    rows = 1 if flat else bsz
+    full = torch.full((rows, padded), -7, dtype=torch.long)
+    for lay, pos in zip(layouts, pos_locals):
+        full[:, lay.local_token_global_indices] = pos.reshape(rows, -1).long()
+    added = torch.ones(padded, dtype=torch.bool)
+    if flat:
+        stream = layouts[0].input_token_stream_positions
+        added[stream[stream >= 0]] = False
+    else:
+        added[:layouts[0].original_seq_len] = False
+    at = added.nonzero().squeeze(1)
+    at = at[at > 0]
+    assert torch.equal(full[:, at], full[:, at - 1] + 1), "positions do not continue in pad"
+
+
 def check_user_batch(backend: str, cp: int, spec: dict[str, Any],
                      options: dict[str, Any]) -> None:
     batch, pad = build_user_batch(spec)
@@ -259,20 +280,23 @@ def check_user_batch(backend: str, cp: int, spec: dict[str, Any],
         _build(backend, cp, 0, options)
     except CPConfigError:
         assume(False)  # refused by name when built: not a layout to check
-    layouts, xs = [], []
+    layouts, xs, pos_locals = [], [], []
     for r in range(cp):
         sharder, pad_id = _build(backend, cp, r, options)
         _, local = sharder.shard(batch)
         lay = sharder.shard_layout
         layouts.append(lay)
+        pos_locals.append(local["position_ids"])
         xs.append(sharder.shard_token_tensor(x, fill=0.0))
         check_local_fills(batch, pad, local, lay, pad_id, where=(backend, cp, r, options),
                           primary_sharded=not _keeps_primary(backend, options))
     padded = layouts[0].padded_seq_len
     assert all(lay.padded_seq_len == padded for lay in layouts)
-    if options.get("pad_multiple", 1) > 1 and backend != "identity":
-        assert padded % options["pad_multiple"] == 0, (backend, padded, options)
     idx = [lay.local_token_global_indices for lay in layouts]
+    if backend != "identity":  # every rank's share is a multiple of each per-chunk constraint
+        multiple = _chunk_multiple(options)
+        assert all(i.numel() % multiple == 0 for i in idx), (backend, multiple, options)
+    _check_pad_positions_continue(layouts, pos_locals, bsz)
     assert torch.equal(torch.cat(idx).sort().values, torch.arange(padded)), (backend, cp)
     assert len({i.numel() for i in idx}) == 1, [i.numel() for i in idx]
     positions = layouts[0].input_token_stream_positions
