@@ -22,6 +22,39 @@ EXPECTED_CONFIG_KEYS = {
 }
 
 
+#: The declared plugin interface (cp_core.backend_api, docs/plugins.md): what backends may
+#: import. Adding or removing a name is a change of the plugin interface: do it here too.
+EXPECTED_BACKEND_API = {
+    "ATTENTION_KINDS", "AttentionKind", "AttentionPlan", "BOUNDARY_KEYS", "Backend", "BandRects",
+    "CPAttentionError", "CPBackendConfig", "CPBatchError", "CPConfigError", "CPError",
+    "CPLayoutError", "CPMeshLike", "ConformanceSuite", "ContextParallelSharder", "CtxFactory",
+    "DEFAULT_BLOCK_BUDGET_BYTES", "DEFAULT_SENTINEL", "DocumentMask", "Documents",
+    "FlatStreamConfig", "INF", "IndexFn", "NormalizedBatch", "RankRuns", "Segments",
+    "ShardLayout", "ShardResult", "SimulatedCPMesh", "ThreadStack", "TransportOptions",
+    "activate_plan", "active_plan", "allgather_sdpa", "blocked_attention", "build_document_mask",
+    "check_local_shapes", "contiguous_divisor", "contiguous_local_indices", "cp_group",
+    "cp_rank", "cp_rank_pool", "cp_size", "differentiable_all_gather", "document_positions",
+    "fused_attention", "gather_kv", "identity_local_indices", "index_runs", "lcm", "make_plan",
+    "make_transport_ctx", "normalize_batch", "normalize_with_documents", "pad_position_ids",
+    "pad_seq_dim", "pad_value_for", "per_chunk_multiple", "per_rank_divisor", "real_keys_only",
+    "record_collective", "resolve_causal", "resolve_documents", "round_robin_divisor",
+    "round_robin_local_indices", "round_up", "shard_normalized", "thd_document_divisor",
+    "without_document_keys",
+}
+
+
+def test_backend_api_frozen() -> None:
+    import cp_core.backend_api as api
+
+    added, removed = set(api.__all__) - EXPECTED_BACKEND_API, EXPECTED_BACKEND_API - set(api.__all__)
+    assert not added and not removed, (
+        f"cp_core.backend_api changed (added {sorted(added)}, removed {sorted(removed)}): if "
+        "deliberate, update EXPECTED_BACKEND_API here and docs/plugins.md")
+    assert len(api.__all__) == len(set(api.__all__))
+    for name in api.__all__:
+        assert getattr(api, name) is not None
+
+
 def test_required_exports_present() -> None:
     missing = EXPECTED_EXPORTS - set(cp_core.__all__)
     assert not missing
