@@ -46,6 +46,24 @@ def case_forward_fails_inside_the_context(rank: int, world: int) -> str:
     return "forward done"
 
 
+def case_blockdiag_forward_fails(rank: int, world: int, exchange: str) -> str:
+    """As above under blockdiag, whose own K/V exchange (halo or all-to-all) rank 0 waits in."""
+    import torch.distributed as dist
+
+    from cp_core.registry import build_sharder
+    from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
+
+    model = ReferenceDecoder(ReferenceModelConfig(vocab_size=64, seed=0))
+    s = build_sharder({"backend": "blockdiag", "size": world, "exchange": exchange},
+                      dist.group.WORLD)
+    ctx, local = s.shard(_batch())
+    with ctx():
+        if rank == 1:
+            raise ValueError("rank 1's forward broke")
+        model(local["input_ids"], position_ids=local["position_ids"])
+    return "forward done"
+
+
 def case_gather_fails_on_one_rank(rank: int, world: int) -> str:
     """Rank 1's ``gather_token_tensor`` refuses its tensor; rank 0 waits in the all-gather."""
     import torch.distributed as dist
@@ -75,13 +93,13 @@ def case_user_step_in_report_failures(rank: int, world: int) -> str:
     return "counted"
 
 
-def _run_failing(fn: Callable[..., Any]) -> tuple[dict[int, str], float]:
+def _run_failing(fn: Callable[..., Any], *args: Any) -> tuple[dict[int, str], float]:
     """Run ``fn`` in a fresh 2-rank pool; each rank's traceback text and the seconds taken."""
     with RankPool(2, collective_timeout_s=BOUND_S, run_timeout_s=BOUND_S + SLACK_S) as p:
         p.run(_warm)
         start = time.monotonic()
         with pytest.raises(RankFailure) as info:
-            p.run(fn)
+            p.run(fn, *args)
         seconds = time.monotonic() - start
     text = str(info.value)
     parts = {}
@@ -117,6 +135,17 @@ def test_the_surviving_rank_names_the_failed_one(case: Callable[..., Any], origi
     assert "the raw error is chained" in survivor
     assert "The above exception was the direct cause" in survivor
     assert seconds < BOUND_S + SLACK_S, seconds  # the bound stays the group's timeout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("exchange", ["halo", "a2a"])
+def test_blockdiag_exchange_names_the_failed_rank(exchange: str) -> None:
+    pytest.importorskip("cp_blockdiag")
+    parts, seconds = _run_failing(case_blockdiag_forward_fails, exchange)
+    site = "halo exchange" if exchange == "halo" else "all-to-all"
+    assert f"rank 0: blockdiag K/V {site} failed because another rank failed first: rank 1 " \
+        "failed: ValueError: rank 1's forward broke" in parts[0], parts[0][-1500:]
+    assert seconds < BOUND_S + SLACK_S, seconds
 
 
 def test_without_a_process_group_nothing_is_recorded_or_renamed() -> None:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from cp_blockdiag.routing import KVRoute
-from cp_core.backend_api import ThreadStack, differentiable_all_gather, record_collective
+from cp_core.backend_api import (ThreadStack, differentiable_all_gather, peer_failures,
+                                  record_collective)
 
 
 @dataclass
@@ -99,8 +100,10 @@ def _transfer(sends: list[torch.Tensor], recv_counts: list[int], width: int, lik
     if mode == "a2a":
         flat_in = torch.cat(sends).contiguous() if sends else like.new_empty((0, width))
         flat_out = like.new_empty((sum(recv_counts), width))
-        dist.all_to_all_single(flat_out, flat_in, output_split_sizes=list(recv_counts),
-                               input_split_sizes=[int(t.shape[0]) for t in sends], group=group)
+        with peer_failures(group, "blockdiag K/V all-to-all"):  # names a peer that failed first
+            dist.all_to_all_single(flat_out, flat_in, output_split_sizes=list(recv_counts),
+                                   input_split_sizes=[int(t.shape[0]) for t in sends],
+                                   group=group)
         recvs = list(flat_out.split(list(recv_counts)))
     else:
         ops = []
@@ -111,8 +114,9 @@ def _transfer(sends: list[torch.Tensor], recv_counts: list[int], width: int, lik
             if recv_counts[peer]:
                 ops.append(dist.P2POp(dist.irecv, recvs[peer], grank, group))
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            with peer_failures(group, "blockdiag K/V halo exchange"):
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
     _record(key, sent, received)
     return recvs
 

@@ -56,6 +56,7 @@ from cp_core.batch import (
 )
 from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
 from cp_core.comm import differentiable_all_gather, record_collective
+from cp_core.failures import peer_failures
 from cp_core.config import CPBackendConfig, FlatStreamConfig
 from cp_core.documents import (
     Documents,
@@ -135,6 +136,7 @@ __all__ = [
     "allgather_sdpa", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "BandRects", "INF", "real_keys_only",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
+    "peer_failures",
     # errors
     "CPError", "CPBatchError", "CPConfigError", "CPLayoutError", "CPAttentionError",
     # conformance suite (lazy)
