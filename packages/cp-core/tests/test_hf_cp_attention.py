@@ -142,7 +142,7 @@ def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str =
     token_loss = sharder.gather_token_tensor(token_loss, trim=True, fill=0.0)
     if rank:
         return None
-    return {"loss": float(loss), "token_loss": token_loss,
+    return {"loss": float(loss.detach()), "token_loss": token_loss,
             "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
