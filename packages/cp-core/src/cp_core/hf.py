@@ -86,11 +86,13 @@ def model_rows(local: Mapping[str, Any], layout: ShardLayout | None) -> dict[str
     """The local batch as Hugging Face models take it: ``[B, S]`` rows for every layout.
 
     Flat-stream layouts (te_thd's THD order, magi's dispatch; their layout has an
-    ``input_row_shape``) return ``[T_local]`` token tensors; here each becomes one row
-    ``[1, T_local]`` (per-token trailing dims kept). Row layouts pass through unchanged, so a
-    training loop that calls ``model(**model_rows(local, sharder.shard_layout))`` works the
-    same under every backend. Boundary tensors such as ``cu_seqlens`` are not token tensors and
-    are dropped: the sharder's context already holds the documents.
+    ``input_row_shape``) return one row ``[1, T_local]`` by default (``cp.rows``), which passes
+    through here; with ``cp.rows=false`` they return ``[T_local]`` token tensors, and here each
+    becomes one row ``[1, T_local]`` (per-token trailing dims kept). Row layouts pass through
+    unchanged, so a training loop that calls ``model(**model_rows(local,
+    sharder.shard_layout))`` works the same under every backend. Boundary tensors such as
+    ``cu_seqlens`` are not token tensors and are dropped: the sharder's context already holds
+    the documents.
     """
     if layout is None or layout.input_row_shape is None:
         return dict(local)
