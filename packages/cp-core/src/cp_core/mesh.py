@@ -172,9 +172,21 @@ def _checked_int(mesh: Any, method: str, value: Any, *, low: int) -> int:
     return value
 
 
+def can_communicate(cp_mesh: Any) -> bool:
+    """True when ``cp_mesh`` spans several ranks and has a process group to check over (a
+    simulated or group-less duck-typed mesh plans without communicating: nothing to verify)."""
+    if cp_size(cp_mesh) <= 1:
+        return False
+    try:
+        return cp_group(cp_mesh) is not None
+    except CPLayoutError:
+        return False
+
+
 def describe_mesh(cp_mesh: Any) -> str:
     """A short human-readable description of the mesh, for error messages."""
     return f"{type(cp_mesh).__name__}(rank={cp_rank(cp_mesh)}, size={cp_size(cp_mesh)})"
 
 
-__all__ = ["SimulatedCPMesh", "CPMeshLike", "cp_size", "cp_rank", "cp_group", "describe_mesh"]
+__all__ = ["SimulatedCPMesh", "CPMeshLike", "cp_size", "cp_rank", "cp_group", "can_communicate",
+           "describe_mesh"]

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cp_core.errors import CPBatchError
@@ -62,4 +64,21 @@ def stream_to_rows(full: torch.Tensor, dim: int, positions: torch.Tensor,
     return rows
 
 
-__all__ = ["row_positions_to_stream", "rows_to_stream", "stream_to_rows"]
+#: Keys of a flat shard's batch that are not token-aligned (never turned into rows).
+_NOT_TOKENS = frozenset({"seq_lens", "seq_lens_padded"})
+
+
+def flat_batch_as_rows(local: dict[str, Any], n_local: int) -> dict[str, Any]:
+    """A flat-stream shard's token tensors as one row: a ``1`` inserted before the first dim
+    of ``n_local`` tokens (``[T] -> [1, T]``, ``[T, H] -> [1, T, H]``, mRoPE ``[3, T] ->
+    [3, 1, T]``); other values (boundary tensors such as ``cu_seqlens``) unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in local.items():
+        if isinstance(value, torch.Tensor) and n_local in value.shape[:2] \
+                and key not in _NOT_TOKENS and not key.startswith(("cu_seqlens", "max_seqlen")):
+            value = value.unsqueeze(list(value.shape).index(n_local))
+        out[key] = value
+    return out
+
+
+__all__ = ["row_positions_to_stream", "rows_to_stream", "stream_to_rows", "flat_batch_as_rows"]

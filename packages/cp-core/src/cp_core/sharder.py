@@ -23,8 +23,9 @@ from cp_core.batch import pad_seq_dim
 from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
 from cp_core.failures import recorded, recording_ctx
 from cp_core.layout import ShardLayout, all_rank_indices
-from cp_core.mesh import cp_group, cp_size
-from cp_core.positions import row_positions_to_stream, rows_to_stream, stream_to_rows
+from cp_core.mesh import can_communicate, cp_size
+from cp_core.positions import (flat_batch_as_rows, row_positions_to_stream, rows_to_stream,
+                               stream_to_rows)
 from cp_core.resolution import (
     Meshes,
     build_from_registry,
@@ -136,7 +137,7 @@ class ContextParallelSharder:
         """
         if loss_mask is None:
             loss_mask = self.loss_mask
-        verify = self.verify_layout and _can_communicate(self.cp_mesh)
+        verify = self.verify_layout and can_communicate(self.cp_mesh)
         try:
             ctx_factory, out, layout = self.shard_batch(
                 self.cp_mesh, self.tp_mesh, batch, loss_mask=loss_mask,
@@ -154,8 +155,8 @@ class ContextParallelSharder:
             verify_layout_agreement(self.cp_mesh, batch, layout)
         self.shard_layout = layout
         if self.rows and layout is not None and layout.input_row_shape is not None:
-            out = _as_rows(out, layout)
-        if ctx_factory is not contextlib.nullcontext and _can_communicate(self.cp_mesh):
+            out = flat_batch_as_rows(out, layout.num_local_tokens)
+        if ctx_factory is not contextlib.nullcontext and can_communicate(self.cp_mesh):
             ctx_factory = recording_ctx(ctx_factory)  # an error in the step names this rank
         return ctx_factory, out
 
@@ -393,35 +394,6 @@ class ContextParallelSharder:
                                f"on dims ({dim - 1}, {dim})")
         return (f"tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim "
                 f"{dim}; this layout accepts {', '.join(accepted)}")
-
-
-def _as_rows(local: dict[str, Any], layout: ShardLayout) -> dict[str, Any]:
-    """A flat-stream shard's token tensors as one row: a ``1`` inserted before the first dim
-    of ``T_local`` tokens (``[T] -> [1, T]``, ``[T, H] -> [1, T, H]``, mRoPE ``[3, T] ->
-    [3, 1, T]``); other values (boundary tensors such as ``cu_seqlens``) unchanged."""
-    n = layout.num_local_tokens
-    out: dict[str, Any] = {}
-    for key, value in local.items():
-        if isinstance(value, torch.Tensor) and n in value.shape[:2] and key not in _NOT_TOKENS \
-                and not key.startswith(("cu_seqlens", "max_seqlen")):
-            value = value.unsqueeze(list(value.shape).index(n))
-        out[key] = value
-    return out
-
-
-#: Keys of a flat shard's batch that are not token-aligned (never turned into rows).
-_NOT_TOKENS = frozenset({"seq_lens", "seq_lens_padded"})
-
-
-def _can_communicate(cp_mesh: Any) -> bool:
-    """True when ``cp_mesh`` spans several ranks and has a process group to check over (a
-    simulated or group-less duck-typed mesh plans without communicating: nothing to verify)."""
-    if cp_size(cp_mesh) <= 1:
-        return False
-    try:
-        return cp_group(cp_mesh) is not None
-    except CPLayoutError:
-        return False
 
 
 __all__ = ["ContextParallelSharder"]
