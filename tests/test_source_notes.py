@@ -1,7 +1,8 @@
-"""Source comments and docstrings explain the code, not the project's history.
+"""Sources a new maintainer can read: notes that explain the code, files of one idea.
 
 A maintainer reading ``(issue 10, item 5)`` or ``as the seed`` learns nothing from the line:
-the reason belongs in the text itself (NeMo AutoModel's contract, docs/nemo.md, ...).
+the reason belongs in the text itself (NeMo AutoModel's contract, docs/nemo.md, ...). And no
+library or tool file grows past 400 lines (STYLE.md: small files named for what they hold).
 """
 
 from __future__ import annotations
@@ -26,3 +27,16 @@ def test_no_source_cites_issue_numbers_or_the_seed() -> None:
                 if HISTORY.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+MAX_LINES = 400
+
+
+def test_no_source_file_over_400_lines() -> None:
+    long = []
+    for src in SOURCES:
+        for path in sorted((ROOT / src).rglob("*.py")):
+            n = len(path.read_text().splitlines())
+            if n > MAX_LINES:
+                long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert not long, "split these by idea:\n" + "\n".join(long)
