@@ -226,7 +226,7 @@ def shard_batch_thd(
         padded_seq_len=stream.total, input_row_shape=(bsz, seq),
         input_token_stream_positions=positions, rank_runs=rank_runs,
         pad_multiple=stream.divisor, cp_rank=rank, cp_size=size,
-        extras={"cu_seqlens_padded": cu, "boundary_source": segments.source},
+        extras={"cu_seqlens_padded": cu, "document_source": docs.source},
     )
     mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
                                  window=window, chunk=chunk)
