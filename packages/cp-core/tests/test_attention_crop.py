@@ -62,6 +62,23 @@ def test_vectorised_schedule_equals_the_python_definition():
             assert got == want, (trial, r, cp, kind)
 
 
+def test_vectorised_schedule_cuts_long_causal_documents_like_the_definition():
+    # Documents far longer than a causal leaf: the square is halved level by level.
+    rng = random.Random(3)
+    for trial in range(6):
+        cp, seq = rng.choice([1, 2, 4]), 4096
+        ids = torch.zeros(1, seq, dtype=torch.long)
+        cuts = sorted(rng.sample(range(1, seq), 3))
+        for d, (a, b) in enumerate(zip([0, *cuts], [*cuts, seq]), start=1):
+            ids[0, a:b] = d
+        kind = rng.choice(["causal", "chunked"])
+        rects = document_rects(ids, kind, chunk=rng.choice([300, 1000]))
+        layout = _layout(rng, seq, cp, trial)
+        for r in range(cp):
+            assert _canonical(schedule_from_runs(rects, RankRuns.from_indices(layout), r)) == \
+                _canonical(build_schedule(rects, rank_runs(layout), r)), (trial, r)
+
+
 def test_rank_runs_merge_and_expand():
     runs = RankRuns.build([[0, 4, 12, 20], [8, 16, 24, 28]], [4, 4, 4, 0])
     # 0-4 and 4-8 continue each other; the empty run is dropped.

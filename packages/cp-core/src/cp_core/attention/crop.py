@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cp_core.attention.rects import INF, BandRects
-from cp_core.attention.slices import FULL, Piece, _pieces
+from cp_core.attention.slices import CAUSAL, CAUSAL_LEAF, FULL, Piece, _pieces
 from cp_core.runs import RankRuns
 
 
@@ -116,11 +116,13 @@ def crop(rects: BandRects, queries: RunTable, keys: RunTable) -> Boxes:
                  np.where(dhi < INF, dhi + shift, INF))
 
 
-def merged_ranges(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
-                  ) -> dict[int, list[tuple[int, int]]]:
-    """Per owner, the sorted union of its ``[lo, hi)`` ranges."""
+def merged_arrays(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per owner, the sorted union of its ``[lo, hi)`` ranges: ``(owner, start, end)`` arrays
+    sorted by owner then start."""
     if owner.size == 0:
-        return {}
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
     order = np.lexsort((lo, owner))
     owner, lo, hi = owner[order], lo[order], hi[order]
     # Offsetting by owner keeps the running maximum of ends from leaking across owners.
@@ -130,9 +132,14 @@ def merged_ranges(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
     new = (lo + owner * big) > prev
     starts = np.flatnonzero(new)
     stops = np.concatenate((starts[1:], [owner.size])) - 1
+    return owner[starts], lo[starts], ends[stops] - owner[stops] * big
+
+
+def merged_ranges(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                  ) -> dict[int, list[tuple[int, int]]]:
+    """Per owner, the sorted union of its ``[lo, hi)`` ranges."""
     out: dict[int, list[tuple[int, int]]] = {}
-    for o, a, z in zip(owner[starts].tolist(), lo[starts].tolist(),
-                       (ends[stops] - owner[stops] * big).tolist()):
+    for o, a, z in zip(*(x.tolist() for x in merged_arrays(owner, lo, hi))):
         out.setdefault(o, []).append((a, z))
     return out
 
@@ -145,29 +152,71 @@ def _rows_of(pieces: list[Piece]) -> np.ndarray:
     return np.asarray(pieces, dtype=np.int64).reshape(-1, 9)
 
 
-def pieces_by_owner(boxes: Boxes) -> dict[int, np.ndarray]:
-    """Kernel pieces of the boxes as ``[P, 9]`` rows (:class:`Piece` fields), per key owner.
+def _full_rows(b: np.ndarray, q0: np.ndarray, q1: np.ndarray, src: np.ndarray, k0: np.ndarray,
+               k1: np.ndarray) -> np.ndarray:
+    rows = np.empty((b.size, 9), np.int64)
+    rows[:, _B], rows[:, _Q0], rows[:, _Q1], rows[:, _SRC] = b, q0, q1, src
+    rows[:, _K0], rows[:, _K1] = k0, k1
+    rows[:, _KIND], rows[:, _DLO], rows[:, _DHI] = FULL, -INF, INF
+    return rows
 
-    FULL boxes are rows as they are; causal and band boxes are cut by ``slices._pieces``.
+
+def _causal_rows(b: np.ndarray, q0: np.ndarray, q1: np.ndarray, src: np.ndarray,
+                 k0: np.ndarray, k1: np.ndarray, dhi: np.ndarray) -> list[np.ndarray]:
+    """``slices._pieces`` of boxes with only an upper bound (``dlo = -INF``), level by level:
+    full keys before the diagonal, the causal square (halved into causal leaves and full
+    rectangles until a leaf has at most ``CAUSAL_LEAF`` rows), full rows below it."""
+    out = []
+    ck = q0 + dhi  # the top row's last key: keys before it are seen by every row
+    n = k1 - ck
+    pre = ck > k0
+    out.append(_full_rows(b[pre], q0[pre], q0[pre] + n[pre], src[pre], k0[pre], ck[pre]))
+    below = q0 + n < q1
+    out.append(_full_rows(b[below], q0[below] + n[below], q1[below], src[below], k0[below],
+                          k1[below]))
+    sq = (b, q0, src, ck, n)
+    while sq[0].size:
+        bb, qq, ss, kk, nn = sq
+        leaf = nn <= CAUSAL_LEAF
+        rows = _full_rows(bb[leaf], qq[leaf], qq[leaf] + nn[leaf], ss[leaf], kk[leaf],
+                          kk[leaf] + nn[leaf])
+        rows[:, _KIND] = CAUSAL
+        out.append(rows)
+        split = ~leaf
+        bb, qq, ss, kk, nn = (x[split] for x in (bb, qq, ss, kk, nn))
+        h = nn // 2
+        out.append(_full_rows(bb, qq + h, qq + nn, ss, kk, kk + h))
+        sq = (np.concatenate((bb, bb)), np.concatenate((qq, qq + h)), np.concatenate((ss, ss)),
+              np.concatenate((kk, kk + h)), np.concatenate((h, nn - h)))
+    return out
+
+
+def piece_rows(boxes: Boxes) -> np.ndarray:
+    """Kernel pieces of the boxes as ``[P, 9]`` rows (:class:`Piece` fields).
+
+    FULL boxes are rows as they are, causal ones are cut with array operations; band boxes
+    (two bounds: sliding windows) are cut by ``slices._pieces``.
     """
     full = (boxes.dlo == -INF) & (boxes.dhi == INF)
-    n = int(full.sum())
-    rows = np.empty((n, 9), np.int64)
-    for col, x in ((_B, boxes.b), (_Q0, boxes.q0), (_Q1, boxes.q1), (_SRC, boxes.k_owner),
-                   (_K0, boxes.k0), (_K1, boxes.k1)):
-        rows[:, col] = x[full]
-    rows[:, _KIND], rows[:, _DLO], rows[:, _DHI] = FULL, -INF, INF
+    causal = (boxes.dlo == -INF) & (boxes.dhi < INF)
+    cols = (boxes.b, boxes.q0, boxes.q1, boxes.k_owner, boxes.k0, boxes.k1)
+    parts = [_full_rows(*(x[full] for x in cols))]
+    parts += _causal_rows(*(x[causal] for x in cols), boxes.dhi[causal])
     cut: list[Piece] = []
-    rest = ~full
-    for args in zip(*(x[rest].tolist() for x in (boxes.b, boxes.q0, boxes.q1, boxes.k_owner,
-                                                  boxes.k0, boxes.k1, boxes.dlo, boxes.dhi))):
+    band = ~(full | causal)
+    for args in zip(*(x[band].tolist() for x in (*cols, boxes.dlo, boxes.dhi))):
         _pieces(*args, cut)
-    both = np.concatenate((rows, _rows_of(cut)))
-    order = np.argsort(both[:, _SRC], kind="stable")
-    both = both[order]
-    owners, first = np.unique(both[:, _SRC], return_index=True)
-    bounds = [*first.tolist(), both.shape[0]]
-    return {int(o): both[bounds[i]:bounds[i + 1]] for i, o in enumerate(owners.tolist())}
+    if cut:
+        parts.append(_rows_of(cut))
+    return np.concatenate(parts)
+
+
+def split_by_src(rows: np.ndarray) -> dict[int, np.ndarray]:
+    """Piece rows grouped by their key source, each group in its original order."""
+    rows = rows[np.argsort(rows[:, _SRC], kind="stable")]
+    owners, first = np.unique(rows[:, _SRC], return_index=True)
+    bounds = [*first.tolist(), rows.shape[0]]
+    return {int(o): rows[bounds[i]:bounds[i + 1]] for i, o in enumerate(owners.tolist())}
 
 
 def _merge_runs(rows: np.ndarray, same: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
@@ -197,13 +246,20 @@ def merge_full_rows(rows: np.ndarray) -> np.ndarray:
     return np.concatenate((rows[~full], merged))
 
 
-def buffer_rows(rows: np.ndarray, needed: list[tuple[int, int]]) -> np.ndarray:
-    """:func:`~cp_core.attention.slices.to_buffer_coords` on piece rows, vectorised."""
-    starts = np.asarray([a for a, _ in needed], np.int64)
-    lens = np.asarray([b - a for a, b in needed], np.int64)
-    offsets = np.cumsum(lens) - lens
-    i = np.searchsorted(starts, rows[:, _K0], side="right") - 1
-    shift = offsets[i] - starts[i]
+def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.ndarray
+                ) -> np.ndarray:
+    """:func:`~cp_core.attention.slices.to_buffer_coords` on piece rows of any sources at
+    once: source ``s``'s needed ranges are the ``(owner == s)`` entries, in order."""
+    lens = end - start
+    # Offset of each range in its owner's buffer: the lengths of that owner's earlier ranges.
+    csum = np.cumsum(lens) - lens
+    first = np.concatenate(([True], owner[1:] != owner[:-1])) if owner.size else owner
+    group_base = np.maximum.accumulate(np.where(first, csum, 0)) if owner.size else csum
+    offsets = csum - group_base
+    big = int(max(end.max() if end.size else 1, rows[:, _K1].max() if rows.size else 1)) + 1
+    i = np.searchsorted(owner * big + start, rows[:, _SRC] * big + rows[:, _K0],
+                        side="right") - 1
+    shift = offsets[i] - start[i]
     out = rows.copy()
     out[:, _K0] += shift
     out[:, _K1] += shift
@@ -211,7 +267,8 @@ def buffer_rows(rows: np.ndarray, needed: list[tuple[int, int]]) -> np.ndarray:
 
 
 def _as_pieces(rows: np.ndarray) -> list[Piece]:
-    return [Piece._make(r) for r in rows.tolist()]
+    new = tuple.__new__
+    return [new(Piece, r) for r in rows.tolist()]
 
 
 def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
@@ -224,23 +281,29 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     me = RunTable.of(runs, [rank])
     everyone = RunTable.of(runs, list(range(size)))
     mine = crop(rects, me, everyone)
-    recv = merged_ranges(mine.k_owner, mine.k0, mine.k1)
-    by_src = pieces_by_owner(mine)
+    r_owner, r_start, r_end = merged_arrays(mine.k_owner, mine.k0, mine.k1)
+    rows = piece_rows(mine)
+    is_local = rows[:, _SRC] == rank
+    local = _as_pieces(merge_full_rows(rows[is_local]))
+    # Every source's pieces at once: merged, moved to buffer coordinates (ranges that were
+    # apart on the owner sit back to back there), merged again, then split by source.
+    remote = merge_full_rows(buffer_rows(merge_full_rows(rows[~is_local]), r_owner, r_start,
+                                         r_end))
+    by_src = split_by_src(remote)
+    recv: dict[int, list[tuple[int, int]]] = {}
+    for o, a, z in zip(r_owner.tolist(), r_start.tolist(), r_end.tolist()):
+        recv.setdefault(o, []).append((a, z))
     others = [r for r in range(size) if r != rank]
     theirs = crop(rects, RunTable.of(runs, others), me) if others else None
     send = merged_ranges(theirs.q_owner, theirs.k0, theirs.k1) if theirs is not None else {}
-    none = np.zeros((0, 9), np.int64)
-    local = _as_pieces(merge_full_rows(by_src.get(rank, none)))
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
         ranges = recv.get(src, [])
-        # In the buffer, ranges that were apart on the owner sit back to back: merge again.
-        pieces = _as_pieces(merge_full_rows(buffer_rows(merge_full_rows(by_src[src]), ranges))) \
-            if ranges else []
+        pieces = _as_pieces(by_src[src]) if ranges and src in by_src else []
         steps.append((src, ranges, pieces, dst, send.get(dst, [])))
     return local, steps
 
 
-__all__ = ["RunTable", "Boxes", "crop", "merged_ranges", "pieces_by_owner", "merge_full_rows",
-           "buffer_rows", "schedule_parts"]
+__all__ = ["RunTable", "Boxes", "crop", "merged_arrays", "merged_ranges", "piece_rows",
+           "split_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
