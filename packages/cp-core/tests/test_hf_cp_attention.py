@@ -206,6 +206,18 @@ def test_cp_attention_matches_documents_alone(pool: RankPool, arch: str, backend
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("transport,backend,size", [
+    ("ulysses", "round_robin", 2), ("ulysses", "te_thd", 2), ("ulysses", "magi", 2),
+    ("ulysses", "round_robin", 4), ("allgather", "contiguous", 2), ("allgather", "magi", 4)])
+def test_every_transport_serves_every_layer_kind(pool: RankPool, transport: str, backend: str,
+                                                 size: int) -> None:
+    """Gemma 3's per-layer kinds under the other transports (``cp.transport``): each derived
+    kind's plan is served by the configured transport too (ulysses at cp=4 replicates the two
+    K/V heads)."""
+    _check(pool, "gemma3", backend, size, config={"transport": transport})
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("backend", ["te_thd", "magi"])
 def test_flat_stream_through_model_rows(pool: RankPool, backend: str) -> None:
     """``cp.rows=false`` keeps the flat ``[T_local]`` stream; ``cp_core.hf.model_rows`` makes
