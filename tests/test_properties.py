@@ -244,6 +244,22 @@ def _build(backend: str, cp: int, rank: int, options: dict[str, Any]) -> tuple[A
     return build_sharder(cfg, mesh), 0
 
 
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+#: The padded length of a row of ``seq`` tokens, by each backend's published rule (``m``: the
+#: per-chunk multiple lcm(pad_multiple, block_size)); te_thd pads per document and magi per
+#: its chunk grid, checked in their own tests.
+PADDED_RULES = {
+    "identity": lambda seq, cp, m: seq,
+    "contiguous": lambda seq, cp, m: _round_up(seq, m if cp == 1 else cp * max(m, 2)),
+    "round_robin": lambda seq, cp, m: _round_up(seq, m if cp == 1 else 2 * cp * m),
+    "aux_only": lambda seq, cp, m: _round_up(seq, m if cp == 1 else 2 * cp * m),
+    "blockdiag": lambda seq, cp, m: _round_up(seq, cp * m),
+}
+
+
 def _keeps_primary(backend: str, options: dict[str, Any]) -> bool:
     """Layouts that leave the primary stream full length for the model to slice."""
     return backend == "aux_only" or options.get("shard_primary") is False or bool(
@@ -296,6 +312,12 @@ def check_user_batch(backend: str, cp: int, spec: dict[str, Any],
     if backend != "identity":  # every rank's share is a multiple of each per-chunk constraint
         multiple = _chunk_multiple(options)
         assert all(i.numel() % multiple == 0 for i in idx), (backend, multiple, options)
+        # blockdiag's aux-only layout is sliced by the model like the contiguous in-forward
+        # helper, so it pads by the contiguous rule.
+        rule = PADDED_RULES["contiguous"] if backend == "blockdiag" and options.get(
+            "aux_only") else PADDED_RULES.get(backend)
+        if rule is not None:
+            assert padded == rule(seq, cp, multiple), (backend, seq, cp, options, padded)
     _check_pad_positions_continue(layouts, pos_locals, bsz)
     assert torch.equal(torch.cat(idx).sort().values, torch.arange(padded)), (backend, cp)
     assert len({i.numel() for i in idx}) == 1, [i.numel() for i in idx]
