@@ -15,7 +15,7 @@ import torch
 
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.mesh import SimulatedCPMesh, cp_rank, cp_size
-from cp_core.runs import RankRuns, install_lazy_indices
+from cp_core.runs import RankRuns, install_deferred, install_lazy_indices
 
 IndexFn = Callable[..., torch.Tensor]
 
@@ -31,7 +31,9 @@ class ShardLayout:
         padded_seq_len: length of the padded global stream the indices refer to.
         input_row_shape: the caller's pre-flatten ``(B, S)`` for flat-stream layouts.
         input_token_stream_positions: ``[B, S_in]`` map from caller positions to stream
-            positions, -1 for caller tokens the layout dropped.
+            positions, -1 for caller tokens the layout dropped. A producer may give a
+            zero-argument function instead: it is called when the map is first read (by a
+            token verb), so a step that never reads it does no per-token work for it.
         rank_global_indices: ``[cp, n_local]`` global indices of every rank, in rank order.
             Known locally for static layouts and for layouts every rank solves identically,
             so a gather moves data only.
@@ -73,6 +75,7 @@ class ShardLayout:
 
 
 install_lazy_indices(ShardLayout, "rank_global_indices", "rank_runs")
+install_deferred(ShardLayout, "input_token_stream_positions")
 
 
 def lcm(*values: int) -> int:

@@ -164,10 +164,38 @@ def install_lazy_indices(cls: type, name: str, runs_field: str) -> None:
                                                "when read while unset)"))
 
 
+def install_deferred(cls: type, name: str) -> None:
+    """Let dataclass field ``name`` of ``cls`` be given as a zero-argument function: it is
+    called when the field is first read, and its value kept (a per-token map nobody may read
+    then costs nothing on the step that built the layout)."""
+    slot = f"_lazy_{name}"
+
+    def get(self: Any) -> Any:
+        value = self.__dict__.get(slot)
+        if callable(value) and not isinstance(value, torch.Tensor):
+            value = value()
+            self.__dict__[slot] = value
+        return value
+
+    def put(self: Any, value: Any) -> None:
+        self.__dict__[slot] = value
+        if callable(value) and not isinstance(value, torch.Tensor):
+            self.__dict__[f"_deferred_{name}"] = True
+
+    setattr(cls, name, property(get, put, doc=f"``{name}`` (given as a function: built when "
+                                               "first read)"))
+
+
+def given_deferred(obj: Any, name: str) -> bool:
+    """True when field ``name`` was given as a function (see :func:`install_deferred`),
+    whether or not it has been read since."""
+    return bool(obj.__dict__.get(f"_deferred_{name}", False))
+
+
 def peek_lazy(obj: Any, name: str) -> Any:
     """The value of a field installed by :func:`install_lazy_indices` if it is already set,
     else None (never expands)."""
     return obj.__dict__.get(f"_lazy_{name}")
 
 
-__all__ = ["RankRuns", "install_lazy_indices", "peek_lazy"]
+__all__ = ["RankRuns", "install_lazy_indices", "install_deferred", "given_deferred", "peek_lazy"]

@@ -38,6 +38,7 @@ from cp_core import comm
 from cp_core.errors import CPLayoutError
 from cp_core.layout import ShardLayout
 from cp_core.mesh import cp_group, cp_rank, cp_size
+from cp_core.runs import given_deferred
 
 #: Bumped when the vector's meaning changes, so mixed library versions are told apart.
 _FORMAT_VERSION = 3
@@ -150,7 +151,10 @@ def layout_fingerprint(layout: ShardLayout) -> tuple[int, int]:
         "original_seq_len": layout.original_seq_len,
         "pad_multiple": layout.pad_multiple,
         "input_row_shape": layout.input_row_shape,
-        "input_token_stream_positions": layout.input_token_stream_positions,
+        # A map given as a function is a pure function of the batch (fingerprinted above)
+        # and the runs: described by that fact, never built here.
+        "input_token_stream_positions": "deferred" if given_deferred(
+            layout, "input_token_stream_positions") else layout.input_token_stream_positions,
         "cp_size": layout.cp_size,
     })
     return _stable_int("layout/a/" + text), _stable_int("layout/b/" + text)

@@ -92,7 +92,7 @@ def _local_positions(nb_pos: torch.Tensor, seq_dim: int, stream: ThdStream,
     return local + _slot_mask(steps, local.dim(), seq_dim - 1).to(local.dtype)
 
 
-def _stream_document_mask(stream: ThdStream, positions: torch.Tensor,
+def _stream_document_mask(stream: ThdStream, positions: Callable[[], torch.Tensor],
                           caller_pad: torch.Tensor | None, *, attention: AttentionKind,
                           window: int | None, chunk: int | None) -> DocumentMask:
     """Document ids ``[1, T]`` (0 on every pad slot) and positions within each document,
@@ -101,7 +101,8 @@ def _stream_document_mask(stream: ThdStream, positions: torch.Tensor,
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos = stream.document_tensors()
         if caller_pad is not None and bool(caller_pad.any()):
-            pad_slots = positions.reshape(-1)[caller_pad.reshape(-1).to(positions.device)]
+            where = positions()
+            pad_slots = where.reshape(-1)[caller_pad.reshape(-1).to(where.device)]
             ids = ids.clone()
             ids[0, pad_slots] = 0
         return ids, pos
@@ -220,7 +221,8 @@ def shard_batch_thd(
                cu_seqlens_unpadded=stream.cu_seqlens_real(drop_empty=True).to(torch.int32),
                max_seqlen=stream.max_seqlen(), qkv_format="thd", cp_size=size, cp_rank=rank)
 
-    positions = stream.input_token_stream_positions()
+    # The caller-to-stream map is O(B*S): built only when a token verb first reads it.
+    positions = stream.input_token_stream_positions
     layout = ShardLayout(
         local_token_global_indices=local, original_seq_len=bsz * seq,
         padded_seq_len=stream.total, input_row_shape=(bsz, seq),
