@@ -85,7 +85,9 @@ class Documents:
         None: the attention rectangles then cost O(documents) instead of O(tokens)."""
         if self._segments is None or not callable(self._ids):
             return None
-        return self._segments()
+        if not hasattr(self, "_runs"):
+            self._runs = self._segments()  # every backend reader shares one scan
+        return self._runs
 
     @property
     def ids(self) -> torch.Tensor:
