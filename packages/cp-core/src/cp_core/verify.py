@@ -100,7 +100,11 @@ def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:
         part = _as_int_bits(flat[start:start + _CHUNK])
         plain += part.sum()
         chunk_weight = (c * _WEIGHT_MULT * 2 + 1) & 0x7FFFFFFF
-        weighted += (part * _weights(flat.device, part.numel())).sum() * chunk_weight
+        w = _weights(flat.device, part.numel())
+        # One fused integer dot on CPU (a third of multiply-then-sum's time); CUDA has no
+        # integer dot, so it multiplies and sums.
+        dot = torch.dot(part, w) if part.device.type == "cpu" else (part * w).sum()
+        weighted += dot * chunk_weight
     return int(plain), int(weighted)
 
 
