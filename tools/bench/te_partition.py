@@ -29,7 +29,8 @@ import torch
 
 from cp_core.datasets import load_length_histogram, packed_rows
 from cp_core.boundaries import Segments
-from cp_te.partition import partition_runs, partitioned_indices, partitioned_indices_all_ranks
+from cp_te.partition import (partition_rank_runs, partition_runs, partitioned_indices,
+                             partitioned_indices_all_ranks)
 from cp_te.stream import ThdStream, sum_padded
 
 DEFAULT_OUT = Path("bench_results/te_partition.json")
@@ -80,6 +81,8 @@ def bench_partition(n_docs: int, cp: int, cap: int, warmup: int, repeats: int,
                                           repeats),
         "all_ranks_indices_ms": _median_ms(lambda: partitioned_indices_all_ranks(cu, cp),
                                            warmup, repeats),
+        # What a shard now keeps of the other ranks: their runs, O(documents x cp).
+        "all_ranks_runs_ms": _median_ms(lambda: partition_rank_runs(cu, cp), warmup, repeats),
     }
 
 
@@ -122,12 +125,13 @@ def print_table(result: dict[str, Any]) -> None:
           f"{s['repeats']} after {s['warmup']} warm-up; {result['machine']['threads']} threads)")
     print("ms as wall / process CPU")
     print(f"{'documents':>10} {'tokens':>12} {'plan ms':>16} {'1 rank ms':>18} "
-          f"{'all ranks ms':>18}")
+          f"{'all ranks ms':>18} {'all ranks runs ms':>18}")
     for p in result["partition"]:
         cols = [f"{p[k]['wall']:.2f} / {p[k]['cpu']:.2f}"
-                for k in ("plan_ms", "one_rank_indices_ms", "all_ranks_indices_ms")]
+                for k in ("plan_ms", "one_rank_indices_ms", "all_ranks_indices_ms",
+                          "all_ranks_runs_ms")]
         print(f"{p['documents']:>10,} {p['tokens']:>12,} {cols[0]:>16} {cols[1]:>18} "
-              f"{cols[2]:>18}")
+              f"{cols[2]:>18} {cols[3]:>18}")
     print(f"\nPer-document padding to 2*cp ({s['rows']} rows of 8192*cp tokens, documents capped "
           "at a quarter of the row)")
     print(f"{'cp':>4} {'documents':>10} {'tokens':>12} {'pad tokens':>11} {'overhead %':>11}")
