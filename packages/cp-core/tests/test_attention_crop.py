@@ -150,3 +150,7 @@ def test_documents_known_as_runs_give_the_same_mask_as_their_ids():
     padded = {"input_ids": torch.zeros(1, 4, dtype=torch.long),
               "attention_mask": torch.tensor([[1, 1, 0, 1]])}
     assert resolve_documents(padded).segments() is None
+    assert resolve_documents({**padded, "attention_mask": torch.ones(1, 4)}).segments() \
+        is not None
+    assert resolve_documents({**padded, "attention_mask": torch.ones(1, 4),
+                              "padding_mask": torch.tensor([[0, 0, 0, 1]])}).segments() is None

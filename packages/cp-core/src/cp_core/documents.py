@@ -289,14 +289,28 @@ def _implicit_ids(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.de
     return canonical_ids(ids, ~pad) if bool(pad.any()) else ids
 
 
+def _any_caller_pad(batch: Mapping[str, Any], bsz: int, seq: int) -> bool:
+    """Whether ``padding_mask`` or a 2-D ``attention_mask`` marks some token as pad (one
+    reduction per key; no ``[B, S]`` mask is built). A key of the wrong shape counts as pad,
+    so the ids path, which names the key, refuses it."""
+    for key in ("padding_mask", "attention_mask"):
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            continue
+        if tuple(t.shape) != (bsz, seq):
+            return True
+        if bool(t.any()) if key == "padding_mask" else not bool(t.all()):
+            return True
+    return False
+
+
 def _implicit_segments(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
                        ) -> tuple[Any, ...] | None:
     """The implicit documents as runs, read from the restarts of ``position_ids`` alone (one
     comparison over the positions; no id tensor), or None when the caller marked pad."""
     import numpy as np
 
-    pad, _ = _caller_pad(batch, bsz, seq, device)
-    if bool(pad.any()):
+    if _any_caller_pad(batch, bsz, seq):
         return None
     pos = position_rows(batch.get("position_ids"), bsz, seq)
     row_starts = np.arange(bsz, dtype=np.int64) * seq
