@@ -97,7 +97,7 @@ def make_blockdiag_batch_and_ctx(
     window: int | None = None, chunk: int | None = None,
     transport_options: Mapping[str, Any] | None = None,
     extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None, aux_only: bool = False,
 ) -> ShardResult:
     """Contiguously shard a (pre-embedded) packed batch for block-diagonal CP.
 
@@ -113,6 +113,8 @@ def make_blockdiag_batch_and_ctx(
         attention / window / chunk: causal per document, or sliding-window / chunked within it.
         transport_options: e.g. ``{"block_budget_bytes": ...}`` for the attention kernel.
         extra_seq_keys / extra_pad_values: more token-aligned keys (seq dim) and their fills.
+        aux_only: leave the primary stream full length
+            (:func:`make_contiguous_aux_only_batch_and_ctx`).
 
     Returns:
         ``(ctx_factory, local_batch, layout)``: ``attention_mask`` dropped, ``padding_mask``
@@ -120,12 +122,15 @@ def make_blockdiag_batch_and_ctx(
         ``ctx_factory()`` routes SDPA calls to :func:`cp_blockdiag.cp_blockdiag_sdpa`.
     """
     _check_options(exchange, attention)
-    nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=False)
+    nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=aux_only)
     m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                            sequence_parallel=sequence_parallel, block_size=block_size)
-    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices,
-                                   per_rank_divisor(cp_size(cp_mesh), m),
-                                   padding_token_id=padding_token_id,
+    size = cp_size(cp_mesh)
+    # Aux-only pads as the in-forward slice does, CP size 1 included (there it is the
+    # per-chunk multiple alone), or labels and logits would differ in length.
+    divisor = contiguous_divisor(size, m) if aux_only else per_rank_divisor(size, m)
+    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, divisor,
+                                   padding_token_id=padding_token_id, shard_primary=not aux_only,
                                    extra_pad_values=extra_pad_values)
     return _finish(nb, cp_mesh, docs, out, layout, exchange=exchange,
                    attention=attention, window=window, chunk=chunk,
@@ -134,13 +139,7 @@ def make_blockdiag_batch_and_ctx(
 
 def make_contiguous_aux_only_batch_and_ctx(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any],
-    loss_mask: torch.Tensor | None = None, padding_token_id: int = 0, *,
-    exchange: str = "auto", pad_multiple: int = 1, tp_size: int = 1,
-    sequence_parallel: bool = False, block_size: int = 1, attention: AttentionKind = "causal",
-    window: int | None = None, chunk: int | None = None,
-    transport_options: Mapping[str, Any] | None = None,
-    extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None,
+    loss_mask: torch.Tensor | None = None, padding_token_id: int = 0, **kwargs: Any,
 ) -> ShardResult:
     """Aux-only contiguous shard: the primary stream (and any key not token-aligned, e.g.
     ``pixel_values``) stays full length; ``labels``, ``position_ids``, ``loss_mask``,
@@ -149,22 +148,11 @@ def make_contiguous_aux_only_batch_and_ctx(
 
     The padded length matches :func:`cp_core.shard_sequence_for_cp_contiguous` with the same
     per-rank ``pad_multiple`` (``cp * max(multiple, 2)``; only the multiple at CP size 1), so the
-    model's in-forward slice lines up with these streams. Arguments and return as
-    :func:`make_blockdiag_batch_and_ctx`.
+    model's in-forward slice lines up with these streams. Arguments (keyword-only after
+    ``padding_token_id``) and return as :func:`make_blockdiag_batch_and_ctx`.
     """
-    _check_options(exchange, attention)
-    nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=True)
-    m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
-                           sequence_parallel=sequence_parallel, block_size=block_size)
-    # The same divisor as the in-forward slice, CP size 1 included (there it is the per-chunk
-    # multiple alone), or labels and logits would differ in length.
-    divisor = contiguous_divisor(cp_size(cp_mesh), m)
-    out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, divisor,
-                                   padding_token_id=padding_token_id, shard_primary=False,
-                                   extra_pad_values=extra_pad_values)
-    return _finish(nb, cp_mesh, docs, out, layout, exchange=exchange,
-                   attention=attention, window=window, chunk=chunk,
-                   transport_options=transport_options)
+    return make_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id,
+                                        aux_only=True, **kwargs)
 
 
 __all__ = ["make_blockdiag_batch_and_ctx", "make_contiguous_aux_only_batch_and_ctx"]
