@@ -315,8 +315,14 @@ def _implicit_segments(batch: Mapping[str, Any], bsz: int, seq: int, device: tor
     pos = position_rows(batch.get("position_ids"), bsz, seq)
     row_starts = np.arange(bsz, dtype=np.int64) * seq
     if pos is not None and seq > 1:
-        r, c = (pos[:, 1:] == 0).nonzero(as_tuple=True)
-        flat = np.concatenate((row_starts, (r * seq + c + 1).cpu().numpy()))
+        # On the host, numpy's compare-and-find is several times cheaper than torch's
+        # nonzero; a device tensor is compared where it lives and only the hits move.
+        if pos.device.type == "cpu":
+            hits = np.flatnonzero(pos[:, 1:].numpy() == 0)
+        else:
+            hits = torch.flatten(pos[:, 1:] == 0).nonzero().flatten().cpu().numpy()
+        r, c = np.divmod(hits, seq - 1)
+        flat = np.concatenate((row_starts, r * seq + c + 1))
         flat.sort()
     else:
         flat = row_starts
