@@ -1,7 +1,8 @@
 """Per-document causal SDPA over contiguous shards: the per-step state and the attention call.
 
-The state of one step (the attention plan, this rank's K/V route, the block budget) lives in
-a :class:`contextvars.ContextVar`. The ``ctx_factory`` returned by the blockdiag batch prep
+The state of one step (the attention plan, this rank's K/V route, the block budget) is the
+top of a per-thread stack (cp-core's ``ThreadStack``, as the plan serving SDPA is). The
+``ctx_factory`` returned by the blockdiag batch prep
 activates it together with cp_core's SDPA interception, so a model's
 ``scaled_dot_product_attention`` calls reach :func:`blockdiag_transport`; a model may also call
 :func:`cp_blockdiag_sdpa` directly while the context is active.
@@ -10,7 +11,6 @@ activates it together with cp_core's SDPA interception, so a model's
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -22,6 +22,7 @@ from cp_core.backend_api import (
     DEFAULT_BLOCK_BUDGET_BYTES,
     AttentionPlan,
     CPAttentionError,
+    ThreadStack,
     activate_plan,
     blocked_attention,
     check_local_shapes,
@@ -43,27 +44,23 @@ class BlockDiagState:
         return self.route.exchange
 
 
-_STATE: contextvars.ContextVar[BlockDiagState | None] = contextvars.ContextVar(
-    "cp_blockdiag_state", default=None)
+_states: ThreadStack[BlockDiagState] = ThreadStack()
 
 
 def current_state() -> BlockDiagState | None:
     """The state activated by the enclosing blockdiag context, or None outside one."""
-    return _STATE.get()
+    return _states.top()
 
 
 @contextlib.contextmanager
 def activate_state(state: BlockDiagState, *, intercept: bool = True) -> Iterator[BlockDiagState]:
     """Make ``state`` current and (``intercept=True``) route SDPA calls to this runtime."""
-    token = _STATE.set(state)
-    try:
+    with _states.pushed(state):
         if intercept:
             with activate_plan(state.plan):
                 yield state
         else:
             yield state
-    finally:
-        _STATE.reset(token)
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockDiagState,
@@ -96,7 +93,7 @@ def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     :class:`RoutedTransport` the blockdiag sharder put on ``plan.transport`` (a plan
     activated without the blockdiag context).
     """
-    state = _STATE.get()
+    state = _states.top()
     if state is None or state.plan is not plan:
         if not isinstance(plan.transport, RoutedTransport):
             raise CPAttentionError(
@@ -133,7 +130,7 @@ def cp_blockdiag_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     halo or all-to-all); gradients flow back to their owners. Must run inside the
     blockdiag ``ctx_factory()``.
     """
-    state = _STATE.get()
+    state = _states.top()
     if state is None:
         raise CPAttentionError(
             "cp_blockdiag_sdpa needs an active blockdiag step: call it inside the ctx_factory() "
