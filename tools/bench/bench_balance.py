@@ -33,13 +33,9 @@ COLUMNS = ["backend", "cp", "rows", "work_mean", "work_p95", "work_worst", "floo
 
 
 def layout_floor(layout: ShardLayout) -> float | None:
-    """The floor a layout reports for its units (an ``extras`` value with a ``floor``: the
-    best work max/mean any assignment of them reaches), else None."""
-    for value in (layout.extras or {}).values():
-        floor = getattr(value, "floor", None)
-        if isinstance(floor, (int, float)):
-            return float(floor)
-    return None
+    """The floor a layout reports for its units (``ShardLayout.work_floor``: the best work
+    max/mean any assignment of them reaches), else None."""
+    return layout.work_floor
 
 
 def slot_work(layout: ShardLayout, doc_pos: torch.Tensor, real: torch.Tensor

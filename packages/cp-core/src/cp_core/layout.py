@@ -42,6 +42,11 @@ class ShardLayout:
         rank_runs: every rank's index map as runs (:class:`~cp_core.runs.RankRuns`). A
             layout built from runs leaves ``rank_global_indices`` unset: it is expanded from
             the runs when first read (a gather), so a shard costs O(runs) for other ranks.
+        work_floor: for a layout that deals units of work to the ranks, the best attention
+            work max/mean any assignment of those units reaches (``cp-plan`` reports it next
+            to the achieved balance); None when the layout has no such bound.
+        extras: a backend's own record of what it planned (for its tools and tests); nothing
+            outside the backend reads it.
 
     The index tensors of static layouts are cached per shape and shared by every layout of
     that shape: treat them as read-only.
@@ -58,6 +63,7 @@ class ShardLayout:
     cp_size: int = 1
     extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     rank_runs: RankRuns | None = field(default=None, compare=False, repr=False)
+    work_floor: float | None = field(default=None, compare=False)
 
     @property
     def num_local_tokens(self) -> int:

@@ -255,13 +255,10 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
                                   block_elements=block_elements)
         ranks.append(RankPlan(rank=r, tokens=tokens, pad_tokens=pad, work=work))
     assert owner is not None and first is not None
-    # Any layout may report the floor of its units; nothing here knows which backend does.
-    floors = [float(v.floor) for v in (first.extras or {}).values()
-              if isinstance(getattr(v, "floor", None), (int, float))]
     return LayoutPlan(backend=backend.name, cp_size=size, ranks=tuple(ranks), owner=owner,
                       doc_ids=doc_ids, original_seq_len=first.original_seq_len,
                       padded_seq_len=first.padded_seq_len,
-                      work_floor=floors[0] if floors else None)
+                      work_floor=first.work_floor)
 
 
 __all__ = ["RankPlan", "LayoutPlan", "attention_work", "plan_layout", "DEFAULT_BLOCK_ELEMENTS"]

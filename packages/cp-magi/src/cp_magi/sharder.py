@@ -239,6 +239,7 @@ def shard_batch_magi(
         rank_global_indices=ranks, pad_multiple=per_rank_divisor(size, csize), cp_rank=rank,
         cp_size=size,
         extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},
+        work_floor=float(chunks.floor),
     )
     # Built from documents, the rectangles are exactly cp.attention's kind: say so (a caller's
     # own rectangles are of no known kind).
