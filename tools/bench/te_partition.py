@@ -29,6 +29,7 @@ import torch
 
 from cp_core.datasets import load_length_histogram, packed_rows
 from cp_core.boundaries import Segments
+from cp_core.padding import thd_document_divisor
 from cp_te.partition import (partition_rank_runs, partition_runs, partitioned_indices,
                              partitioned_indices_all_ranks)
 from cp_te.stream import ThdStream, sum_padded
@@ -68,10 +69,10 @@ def bench_partition(n_docs: int, cp: int, cap: int, warmup: int, repeats: int,
                     int(lengths.sum()), "bench")
 
     def plan() -> None:
-        stream = ThdStream.build(segs, 2 * cp)
+        stream = ThdStream.build(segs, thd_document_divisor(cp))
         partition_runs(stream.cu_seqlens_padded(), cp)
 
-    stream = ThdStream.build(segs, 2 * cp)
+    stream = ThdStream.build(segs, thd_document_divisor(cp))
     cu = stream.cu_seqlens_padded()
     return {
         "documents": n_docs, "cp": cp, "tokens": int(lengths.sum()),
@@ -92,7 +93,7 @@ def pad_overhead(cp: int, rows: int, seed: int, tokens_per_rank: int = 8192) -> 
     docs = packed_rows(rows, row_len, seed, cap_fraction=0.25)
     flat = torch.tensor([n for r in docs for n in r], dtype=torch.long)
     tokens = rows * row_len
-    padded = sum_padded(flat, 2 * cp)
+    padded = sum_padded(flat, thd_document_divisor(cp))
     return {"cp": cp, "rows": rows, "row_len": row_len, "documents": int(flat.numel()),
             "tokens": tokens, "pad_tokens": padded - tokens,
             "pad_overhead_pct": 100.0 * (padded - tokens) / tokens}
