@@ -15,6 +15,7 @@ tokens. Only the pieces that need cutting (causal squares, band tiles) go throug
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,12 +145,17 @@ def merged_ranges(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
     return out
 
 
+#: Up to this many causal boxes are cut in Python (measured: cheaper than the array levels).
+_FEW_CAUSAL = 32
+
 #: Columns of a piece row: the fields of :class:`~cp_core.attention.slices.Piece` in order.
 _B, _Q0, _Q1, _SRC, _K0, _K1, _KIND, _DLO, _DHI = range(9)
 
 
 def _rows_of(pieces: list[Piece]) -> np.ndarray:
-    return np.asarray(pieces, dtype=np.int64).reshape(-1, 9)
+    # fromiter over the flat fields: several times faster than asarray over named tuples.
+    flat = itertools.chain.from_iterable(pieces)
+    return np.fromiter(flat, dtype=np.int64, count=9 * len(pieces)).reshape(-1, 9)
 
 
 def _full_rows(b: np.ndarray, q0: np.ndarray, q1: np.ndarray, src: np.ndarray, k0: np.ndarray,
@@ -201,9 +207,13 @@ def piece_rows(boxes: Boxes) -> np.ndarray:
     causal = (boxes.dlo == -INF) & (boxes.dhi < INF)
     cols = (boxes.b, boxes.q0, boxes.q1, boxes.k_owner, boxes.k0, boxes.k1)
     parts = [_full_rows(*(x[full] for x in cols))]
-    parts += _causal_rows(*(x[causal] for x in cols), boxes.dhi[causal])
+    # A handful of causal boxes (a head-tail layout's few long documents) is cut faster by
+    # the Python recursion than by a dozen array levels; many (a per-document split) by arrays.
+    few = int(causal.sum()) <= _FEW_CAUSAL
+    if not few:
+        parts += _causal_rows(*(x[causal] for x in cols), boxes.dhi[causal])
     cut: list[Piece] = []
-    band = ~(full | causal)
+    band = ~full if few else ~(full | causal)
     for args in zip(*(x[band].tolist() for x in (*cols, boxes.dlo, boxes.dhi))):
         _pieces(*args, cut)
     if cut:
