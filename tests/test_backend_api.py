@@ -9,6 +9,8 @@ so a backend whose optional GPU dependency is missing is checked too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,15 @@ def test_no_backend_has_an_import_circle(src: str) -> None:
     for package in sorted(p for p in (ROOT / src).iterdir() if (p / "__init__.py").exists()):
         cycle = find_cycle(import_graph(package))
         assert cycle is None, f"{src}: import circle " + " -> ".join(cycle or [])
+
+
+def test_a_backends_runtime_never_imports_pytest_or_the_cli() -> None:
+    """The conformance suite is served lazily: importing the API (and every backend) at
+    training time pulls in neither pytest nor cp-core's command-line apps."""
+    code = ("import sys, cp_core.backend_api, cp_te, cp_magi, cp_blockdiag; "
+            "bad = [m for m in ('pytest', 'cp_core.cli', 'cp_core.testing.conformance') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.parametrize("name", backend_api.__all__)
