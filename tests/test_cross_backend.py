@@ -80,7 +80,8 @@ KINDS = {"sliding_window": {"attention": "sliding_window", "window": 3},
 
 
 @pytest.mark.parametrize("form", ["packed_ids_with_positions", "pad_hole_in_document",
-                                  "restart_not_at_zero", "left_padding_and_hole"])
+                                  "restart_not_at_zero", "left_padding_and_hole",
+                                  "no_pad_restarting_positions"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_windowed_kinds_match_the_truth_at_cp1(form: str, kind: str) -> None:
     """Windows and chunks count from each document's first token, pad holes included, on

@@ -5,7 +5,8 @@ Two rows of 16 tokens: row 0 holds documents of 5 and 6 tokens then 5 pad, row 1
 (``_packed_seq_ids``, restarting ``position_ids``, ``seq_lens``, flat ``cu_seqlens``, a 4-D
 block mask, an indexed 2-D mask), with or without ``position_ids``, with a pad hole inside a
 document, or with a first document whose positions do not start at 0, or with the pad at the
-start of each row and a hole inside a document. Pad tokens carry label
+start of each row and a hole inside a document, or as full rows without pad whose documents
+(one of a single token) are known only from restarting positions. Pad tokens carry label
 -100. Every backend must give the same loss and gradients on every form as
 :func:`cp_core.testing.truth.truth_step`.
 """
@@ -79,6 +80,12 @@ def _form(name: str) -> dict[str, Any]:
         return {**batch, "attention_mask": block_causal_mask(ids), "position_ids": _relative(ids)}
     if name == "indexed_mask":
         return {**batch, "attention_mask": ids.clone()}
+    if name == "no_pad_restarting_positions":  # full rows, a one-token document, no pad
+        g = torch.Generator().manual_seed(1)
+        pos = torch.tensor([[p for n in lens for p in range(n)]
+                            for lens in ((5, 1, 10), (4, 3, 9))])
+        return {"input_ids": torch.randint(1, VOCAB, pos.shape, generator=g),
+                "labels": torch.randint(0, VOCAB, pos.shape, generator=g), "position_ids": pos}
     if name == "left_padding_and_hole":  # the pad tail moved to the front, one hole inside
         lead = (ids == 0).sum(dim=1).tolist()
         rows = [[torch.roll(t[b], n).tolist() for b, n in enumerate(lead)]
@@ -95,7 +102,7 @@ FORMS: tuple[str, ...] = ("packed_ids_with_positions", "packed_ids_no_positions"
                           "restarting_positions", "seq_lens", "cu_seqlens_flat",
                           "pad_hole_in_document",
                           "restart_not_at_zero", "block_mask_4d", "indexed_mask",
-                          "left_padding_and_hole")
+                          "left_padding_and_hole", "no_pad_restarting_positions")
 
 
 def packed_form(name: str) -> dict[str, Any]:
