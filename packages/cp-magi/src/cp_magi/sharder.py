@@ -35,6 +35,7 @@ from cp_core.backend_api import (
     CPBatchError,
     CPConfigError,
     Documents,
+    RankRuns,
     ShardLayout,
     cp_rank,
     cp_size,
@@ -50,7 +51,7 @@ from cp_core.backend_api import (
     without_document_keys,
 )
 from cp_magi.documents import RealKeyMask, document_spans, span_rows, stream_spans
-from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, dispatch, rank_token_indices
+from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, dispatch
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
@@ -215,8 +216,10 @@ def shard_batch_magi(
                                   tolerance=split_tolerance, chunk_multiple=chunk_multiple,
                                   solver=solver)
     device = nb.primary.device
-    ranks = torch.from_numpy(rank_token_indices(chunks, assignment.rank_chunks)).to(device)
-    local = ranks[rank]
+    # Every rank's chunks as runs (O(chunks)); only this rank's tokens are listed.
+    rank_runs = RankRuns.build(chunks.starts[assignment.rank_chunks],
+                               chunks.lengths[assignment.rank_chunks])
+    local = rank_runs.local_indices(rank, device)
 
     out = dict(nb.batch)
     if "padding_mask" not in out:
@@ -236,7 +239,7 @@ def shard_batch_magi(
         local_token_global_indices=local, original_seq_len=stream_len, padded_seq_len=padded,
         input_row_shape=(bsz, seq),
         input_token_stream_positions=torch.arange(stream_len, device=device).view(bsz, seq),
-        rank_global_indices=ranks, pad_multiple=per_rank_divisor(size, csize), cp_rank=rank,
+        rank_runs=rank_runs, pad_multiple=per_rank_divisor(size, csize), cp_rank=rank,
         cp_size=size,
         extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},
         work_floor=float(chunks.floor),
