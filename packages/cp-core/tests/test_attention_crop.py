@@ -11,8 +11,10 @@ import dataclasses
 import random
 
 import numpy as np
+import pytest
 import torch
 
+from cp_core.attention import crop
 from cp_core.attention.p2p import build_schedule, rank_runs, schedule_from_runs
 from cp_core.attention.rects import document_rects
 from cp_core.layout import ShardLayout
@@ -62,17 +64,20 @@ def test_vectorised_schedule_equals_the_python_definition():
             assert got == want, (trial, r, cp, kind)
 
 
-def test_vectorised_schedule_cuts_long_causal_documents_like_the_definition():
-    # Documents far longer than a causal leaf: the square is halved level by level.
+@pytest.mark.parametrize("few", [0, 32], ids=["array-levels", "python-recursion"])
+def test_vectorised_schedule_cuts_long_causal_documents_like_the_definition(monkeypatch, few):
+    # Documents far longer than a causal leaf: the square is halved level by level, by the
+    # array path (forced with few=0) and by the Python recursion used for few boxes.
+    monkeypatch.setattr(crop, "_FEW_CAUSAL", few)
     rng = random.Random(3)
-    for trial in range(6):
-        cp, seq = rng.choice([1, 2, 4]), 4096
+    for trial in range(4):
+        cp, seq = rng.choice([1, 2, 4]), 1536  # causal squares of up to 1536 rows: 3 levels
         ids = torch.zeros(1, seq, dtype=torch.long)
         cuts = sorted(rng.sample(range(1, seq), 3))
         for d, (a, b) in enumerate(zip([0, *cuts], [*cuts, seq]), start=1):
             ids[0, a:b] = d
         kind = rng.choice(["causal", "chunked"])
-        rects = document_rects(ids, kind, chunk=rng.choice([300, 1000]))
+        rects = document_rects(ids, kind, chunk=rng.choice([300, 700]))
         layout = _layout(rng, seq, cp, trial)
         for r in range(cp):
             assert _canonical(schedule_from_runs(rects, RankRuns.from_indices(layout), r)) == \
