@@ -13,19 +13,13 @@ any in-place write bumps, and values), so "nothing half-done" is checked, not as
 
 from __future__ import annotations
 
-import copy
-import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
 
 from cp_core.errors import (
-    CPAttentionError,
-    CPBackendLoadError,
     CPBackendNotFoundError,
     CPBatchError,
     CPConfigError,
@@ -33,199 +27,19 @@ from cp_core.errors import (
     CPLayoutError,
     CPLayoutUnavailableError,
 )
-from cp_core.framework import shard_batch_contiguous, shard_batch_identity
 from cp_core.mesh import SimulatedCPMesh
-from cp_core.registry import Registry, build_sharder, use_registry
+from cp_core.registry import build_sharder
 from cp_core.testing import installed
+from cp_core.testing.bad_inputs import (  # the catalogue's building blocks
+    ALL, assert_unchanged, B, base_batch, boundaries, build_config, build_with, BUILTIN_OF, Case,
+    causal_4d, check_case, CP, do_shard, DuckMesh, embeds_batch, extra_key_missing,
+    extra_key_wrong_len, FRAMEWORK, identity_cp2, missing_registry_act, on_duck_mesh, PACKAGED,
+    render_table, S, sharder, snapshot, verb_after_shard, with_keys,
+)
 
-_installed = installed
-loadable = _installed.loadable
+loadable = installed.loadable
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
-FRAMEWORK = ("identity", "contiguous", "round_robin", "aux_only")
-PACKAGED = ("te_thd", "magi", "blockdiag")
-ALL = FRAMEWORK + PACKAGED
-CP = 2
-B, S = 2, 9
-
-#: Library exception type -> the built-in it must subclass.
-BUILTIN_OF: dict[type, type] = {
-    CPBatchError: ValueError,
-    CPConfigError: ValueError,
-    CPLayoutError: RuntimeError,
-    CPLayoutUnavailableError: NotImplementedError,
-    CPAttentionError: NotImplementedError,
-    CPBackendNotFoundError: KeyError,
-    CPBackendLoadError: ImportError,
-}
-
-
-# -- batches -------------------------------------------------------------------------------
-
-
-def base_batch() -> dict[str, Any]:
-    """A valid packed batch: 2 rows of 9 tokens, documents [4, 5] and [9]."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 50, (B, S), generator=g)
-    return {
-        "input_ids": ids,
-        "labels": ids.clone(),
-        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], list(range(S))]),
-    }
-
-
-def with_keys(**changes: Any) -> Callable[[], dict[str, Any]]:
-    """A batch factory: the base batch with keys replaced (``None`` removes a key)."""
-
-    def make() -> dict[str, Any]:
-        batch = base_batch()
-        for k, v in changes.items():
-            if v is None:
-                batch.pop(k, None)
-            else:
-                batch[k] = v() if callable(v) else v
-        return batch
-
-    return make
-
-
-def boundaries(**keys: Any) -> Callable[[], dict[str, Any]]:
-    """The base batch without ``position_ids`` plus explicit document keys."""
-    return with_keys(position_ids=None, **keys)
-
-
-def _causal_4d(blocked: tuple[int, int] | None = None,
-               allowed: tuple[int, int] | None = None) -> torch.Tensor:
-    """A [B, 1, S, S] causal (one document) mask, with one pair flipped when asked."""
-    m = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
-    if blocked is not None:
-        m[0, 0, blocked[0], blocked[1]] = False
-    if allowed is not None:
-        m[0, 0, allowed[0], allowed[1]] = True
-    return m
-
-
-def embeds_batch(shape: tuple[int, ...], dtype: torch.dtype = torch.float32
-                 ) -> Callable[[], dict[str, Any]]:
-    """The base batch with ``inputs_embeds`` of ``shape`` instead of ``input_ids``."""
-
-    def make() -> dict[str, Any]:
-        batch = base_batch()
-        del batch["input_ids"]
-        batch["inputs_embeds"] = torch.ones(shape, dtype=dtype)
-        return batch
-
-    return make
-
-
-# -- actions -------------------------------------------------------------------------------
-
-
-def sharder(backend: str, size: int | None = None, rank: int = 0, **cfg: Any) -> Any:
-    """A sharder of ``backend`` on a simulated mesh (identity: size 1)."""
-    size = size or (1 if backend == "identity" else CP)
-    return build_sharder({"backend": backend, "size": size, **cfg},
-                         SimulatedCPMesh(rank, size))
-
-
-def do_shard(backend: str, batch: Any, **kw: Any) -> None:
-    """Shard ``batch`` with a default sharder of ``backend``."""
-    sharder(backend).shard(batch, **kw)
-
-
-def verb_after_shard(verb: Callable[[Any], Any]) -> Callable[[str, Any], None]:
-    """Shard the (valid) batch, then call ``verb(sharder)``, which must raise."""
-
-    def act(backend: str, batch: Any) -> None:
-        s = sharder(backend)
-        s.shard(batch)
-        verb(s)
-
-    return act
-
-
-class DuckMesh:
-    """A duck-typed 1-D CP mesh (``cp_core.mesh.CPMeshLike``) with no process group."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
-
-    def get_group(self) -> None:
-        return None
-
-
-def on_duck_mesh(rank: int, then: Callable[[Any], Any] | None = None
-                 ) -> Callable[[str, Any], None]:
-    """Shard the batch on a :class:`DuckMesh` of CP ranks at ``rank``, then ``then(sharder)``."""
-
-    def act(backend: str, batch: Any) -> None:
-        s = build_sharder({"backend": backend, "size": CP}, DuckMesh(CP, rank))
-        s.shard(batch)
-        if then is not None:
-            then(s)
-
-    return act
-
-
-def build_with(**cfg: Any) -> Callable[[str, Any], None]:
-    """Build a sharder with config overrides (the batch is untouched)."""
-
-    def act(backend: str, batch: Any) -> None:
-        sharder(backend, **cfg)
-
-    return act
-
-
-def build_config(config: Any) -> Callable[[str, Any], None]:
-    """Call ``build_sharder`` with a raw config object."""
-
-    def act(backend: str, batch: Any) -> None:
-        build_sharder(config, None)
-
-    return act
-
-
-# -- the catalogue ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One row of the catalogue."""
-
-    id: str
-    backends: tuple[str, ...]
-    bad_input: str
-    exc: type
-    excerpt: str
-    act: Callable[[str, Any], None] = do_shard
-    make_batch: Callable[[], Any] = base_batch
-    per_backend_excerpt: dict[str, str] = field(default_factory=dict)
-
-
-def _missing_registry_act(backend: str, batch: Any) -> None:
-    with use_registry(Registry(entry_points=[])):
-        build_sharder({"backend": backend, "size": 1}, None)
-
-
-def _identity_cp2(backend: str, batch: Any) -> None:
-    shard_batch_identity(SimulatedCPMesh(0, 2), None, batch)
-
-
-def _extra_key_missing(backend: str, batch: Any) -> None:
-    shard_batch_contiguous(SimulatedCPMesh(0, 2), None, batch, extra_seq_keys={"advantages": 1})
-
-
-def _extra_key_wrong_len(backend: str, batch: Any) -> None:
-    batch_view = {**batch}
-    batch_view["advantages"] = torch.zeros(B, S + 2)  # a new dict: the caller's is untouched
-    shard_batch_contiguous(SimulatedCPMesh(0, 2), None, batch_view,
-                           extra_seq_keys={"advantages": 1})
 
 
 CASES: list[Case] = [
@@ -328,12 +142,12 @@ CASES: list[Case] = [
     Case("aux-only-no-labels", ("aux_only",), "no `labels`", CPBatchError,
          "the aux-only layout needs 'labels'", make_batch=with_keys(labels=None)),
     Case("identity-at-cp2", ("identity",), "identity `shard_batch` on a CP mesh of size 2",
-         CPBatchError, "it needs CP size 1, got 2", act=_identity_cp2),
+         CPBatchError, "it needs CP size 1, got 2", act=identity_cp2),
     Case("extra-key-missing", ("contiguous",), "`extra_seq_keys` names a key the batch lacks",
-         CPBatchError, "extra sequence key 'advantages' is missing", act=_extra_key_missing),
+         CPBatchError, "extra sequence key 'advantages' is missing", act=extra_key_missing),
     Case("extra-key-length", ("contiguous",), "`extra_seq_keys` tensor of the wrong length",
          CPBatchError, "batch['advantages'] has shape (2, 11), expected the sequence length 9",
-         act=_extra_key_wrong_len),
+         act=extra_key_wrong_len),
     # document boundary lists (read by the one resolver: every backend)
     Case("seq-lens-negative", ALL, "`seq_lens` with a negative length", CPBatchError,
          "batch['seq_lens'] row 0 is [-4, 13]: lengths and boundaries must be >= 0",
@@ -384,14 +198,14 @@ CASES: list[Case] = [
     Case("block-mask-not-block-causal", ALL,
          "4-D `attention_mask` that blocks a key inside a document", CPBatchError,
          "is not block-causal: row 0, query 5, key 0 is blocked",
-         make_batch=boundaries(attention_mask=lambda: _causal_4d(blocked=(5, 0)))),
+         make_batch=boundaries(attention_mask=lambda: causal_4d(blocked=(5, 0)))),
     Case("block-mask-future-key", ALL,
          "4-D `attention_mask` that lets a query see a later key", CPBatchError,
          "is not block-causal: row 0, query 0, key 5 is allowed",
-         make_batch=boundaries(attention_mask=lambda: _causal_4d(allowed=(0, 5)))),
+         make_batch=boundaries(attention_mask=lambda: causal_4d(allowed=(0, 5)))),
     Case("block-mask-shape", ALL, "4-D `attention_mask` [B, 1, S-1, S-1]",
          CPBatchError, "batch['attention_mask'] has shape (2, 1, 8, 8), expected a 4-D block-causal",
-         make_batch=boundaries(attention_mask=lambda: _causal_4d()[:, :, :S - 1, :S - 1])),
+         make_batch=boundaries(attention_mask=lambda: causal_4d()[:, :, :S - 1, :S - 1])),
     Case("blockdiag-bidirectional", ("blockdiag",), "`cp.attention=bidirectional`",
          CPConfigError, "attention='bidirectional' needs another backend",
          act=build_with(attention="bidirectional")),
@@ -497,7 +311,7 @@ CASES: list[Case] = [
     Case("backend-not-installed", PACKAGED,
          "a known backend whose package is not installed (isolated registry)",
          CPBackendNotFoundError, "is not installed; install it with: pip install 'cp-core[",
-         act=_missing_registry_act),
+         act=missing_registry_act),
     # duck-typed meshes
     Case("mesh-duck-rank-out-of-range", tuple(b for b in ALL if b != "identity"),
          "a duck-typed mesh whose `get_local_rank()` is not below its `size()`", CPConfigError,
@@ -512,43 +326,6 @@ CASES: list[Case] = [
 
 def _loadable_pairs(case: Case) -> list[str]:
     return [b for b in case.backends if loadable(b)]
-
-
-# -- batch snapshots ---------------------------------------------------------------------------
-
-
-def snapshot(obj: Any) -> Any:
-    """A deep record of ``obj``: identities, tensor metadata, version counters and values."""
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", id(obj), obj.dtype, tuple(obj.shape), obj.stride(), obj._version,
-                obj.requires_grad, obj.detach().clone())
-    if isinstance(obj, dict):
-        return ("dict", id(obj), list(obj.keys()), {k: snapshot(v) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, id(obj), [snapshot(v) for v in obj])
-    return ("value", id(obj), copy.deepcopy(obj))
-
-
-def assert_unchanged(obj: Any, snap: Any, path: str = "batch") -> None:
-    """Fail with the path of the first difference between ``obj`` and its snapshot."""
-    kind = snap[0]
-    assert id(obj) == snap[1], f"{path} was replaced"
-    if kind == "tensor":
-        _, _, dtype, shape, stride, version, req, values = snap
-        assert (obj.dtype, tuple(obj.shape), obj.stride()) == (dtype, shape, stride), path
-        assert obj._version == version, f"{path} was written in place"
-        assert obj.requires_grad == req, f"{path}.requires_grad changed"
-        assert torch.equal(obj.detach(), values), f"{path} values changed"
-    elif kind == "dict":
-        assert list(obj.keys()) == snap[2], f"{path} keys changed: {snap[2]} -> {list(obj)}"
-        for k, sub in snap[3].items():
-            assert_unchanged(obj[k], sub, f"{path}[{k!r}]")
-    elif kind in ("list", "tuple"):
-        assert len(obj) == len(snap[2]), f"{path} length changed"
-        for i, sub in enumerate(snap[2]):
-            assert_unchanged(obj[i], sub, f"{path}[{i}]")
-    else:
-        assert obj == snap[2], f"{path} changed"
 
 
 # -- tests ---------------------------------------------------------------------------------------
@@ -567,16 +344,8 @@ def test_case(case: Case) -> None:
     backends = _loadable_pairs(case)
     if not backends:
         pytest.skip(f"none of {case.backends} is installed and loads")
-    assert issubclass(case.exc, BUILTIN_OF[case.exc])
     for backend in backends:
-        batch = case.make_batch()
-        snap = snapshot(batch)
-        with pytest.raises(CPError) as info:
-            case.act(backend, batch)
-        excerpt = case.per_backend_excerpt.get(backend, case.excerpt)
-        assert type(info.value) is case.exc, (backend, type(info.value), str(info.value))
-        assert excerpt in str(info.value), (backend, str(info.value))
-        assert_unchanged(batch, snap)
+        check_case(case, backend)
 
 
 def test_valid_base_batch_shards_everywhere() -> None:
@@ -605,35 +374,17 @@ def test_valid_base_batch_shards_everywhere() -> None:
 _BEGIN, _END = "<!-- catalogue:begin -->", "<!-- catalogue:end -->"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def render_table() -> str:
-    """The markdown table of ``docs/errors.md``, generated from :data:`CASES`."""
-    lines = ["| # | id | backends | bad input | exception (built-in) | message excerpt |",
-             "|---|---|---|---|---|---|"]
-    for i, c in enumerate(CASES, 1):
-        backends = "all" if c.backends == ALL else (
-            "framework" if c.backends == FRAMEWORK else ", ".join(c.backends))
-        exc = f"`{c.exc.__name__}` ({BUILTIN_OF[c.exc].__name__})"
-        excerpt = f"`{_cell(c.excerpt)}`" + "".join(
-            f"; {b}: `{_cell(e)}`" for b, e in sorted(c.per_backend_excerpt.items()))
-        lines.append(f"| {i} | `{c.id}` | {backends} | {_cell(c.bad_input)} | {exc} | "
-                     f"{excerpt} |")
-    return "\n".join(lines)
-
-
 def test_docs_table_matches_cases() -> None:
     """docs/errors.md holds exactly the catalogue this file tests (regenerate: run this file)."""
     text = DOCS.read_text()
     block = text.split(_BEGIN, 1)[1].split(_END, 1)[0].strip()
-    assert block == render_table(), "docs/errors.md is stale: run python tests/test_bad_inputs.py"
+    assert block == render_table(CASES), \
+        "docs/errors.md is stale: run python tests/test_bad_inputs.py"
 
 
 if __name__ == "__main__":  # regenerate the table in docs/errors.md
     text = DOCS.read_text()
     head, rest = text.split(_BEGIN, 1)
     tail = rest.split(_END, 1)[1]
-    DOCS.write_text(f"{head}{_BEGIN}\n{render_table()}\n{_END}{tail}")
+    DOCS.write_text(f"{head}{_BEGIN}\n{render_table(CASES)}\n{_END}{tail}")
     print(f"wrote {len(CASES)} rows to {DOCS}", file=sys.stderr)
