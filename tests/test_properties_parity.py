@@ -129,9 +129,6 @@ def test_parity_with_the_truth_at_cp1(backend: str, data: Any, spec: dict[str, A
         pytest.skip(f"backend {backend!r} is not installed or does not load")
     options = data.draw(parity_options(backend), label="options")
     assume(_accepts(backend, 1, options))
-    # Known gap (reported): at CP=1 the aux-only layout pads position_ids to its pad multiple
-    # but in_forward_slicing leaves input_ids unpadded, so the model refuses the shapes.
-    assume(not (backend == "aux_only" and chunk_multiple(options) > 1))
     batch, _ = build_user_batch(spec)
     err = _truth_error(_parity_step(backend, 1, None, options, batch), options, batch)
     assert err <= PARITY_RTOL, (backend, options, err)
@@ -166,3 +163,18 @@ def test_parity_with_the_truth_at_cp2(pool: Any, data: Any, spec: dict[str, Any]
     assert results[0].loss == results[1].loss, (backend, options)
     err = _truth_error(results[0], options, batch)
     assert err <= PARITY_RTOL, (backend, options, err)
+
+
+@pytest.mark.parametrize("options", [{"pad_multiple": 3}, {"pad_multiple": 2, "block_size": 2}],
+                         ids=["pad3", "pad2-block2"])
+def test_aux_only_at_cp1_pads_the_embedded_stream_like_the_batch(options: dict[str, Any]
+                                                                 ) -> None:
+    # At CP=1 the aux-only shard pads labels and positions to the per-chunk multiple; the
+    # in-forward slicing must pad the embedded stream to the same length (it once did not).
+    if not loadable("aux_only"):
+        pytest.skip("aux_only is not installed")
+    spec = {"docs": [[1] * 7 + [2] * 4], "source": "positions", "pad_key": "padding_mask",
+            "seed": 3}
+    batch, _ = build_user_batch(spec)
+    err = _truth_error(_parity_step("aux_only", 1, None, options, batch), options, batch)
+    assert err <= PARITY_RTOL, err

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from cp_core.testing.multirank import collective_timeout
 from torch import nn
 
-from cp_core.mesh import cp_group, cp_size
+from cp_core.mesh import SimulatedCPMesh, cp_group, cp_size
 from cp_core.sharder import ContextParallelSharder
 
 #: fp32 parity tolerance of the design (relative error of the loss and of every gradient).
@@ -88,9 +88,11 @@ def in_forward_slicing(pad_multiple: int = 1) -> ForwardFn:
 
     def forward(model: nn.Module, local: Mapping[str, Any],
                 sharder: ContextParallelSharder) -> torch.Tensor:
+        # The slicing runs at CP size 1 too: the aux-only shard pads the other keys to the
+        # per-chunk multiple there, and the embedded stream must be padded to match.
+        mesh = sharder.cp_mesh if sharder.cp_mesh is not None else SimulatedCPMesh(0, 1)
         return model(input_ids=local["input_ids"], position_ids=local.get("position_ids"),
-                     cp_slice_mesh=sharder.cp_mesh if cp_size(sharder.cp_mesh) > 1 else None,
-                     cp_pad_multiple=pad_multiple)
+                     cp_slice_mesh=mesh, cp_pad_multiple=pad_multiple)
 
     return forward
 
