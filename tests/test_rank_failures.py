@@ -29,33 +29,19 @@ def _batch() -> dict[str, Any]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def case_forward_fails_inside_the_context(rank: int, world: int) -> str:
-    """Rank 1's forward raises inside ``with ctx():``; rank 0 waits in attention's exchange."""
+def case_forward_fails_inside_the_context(rank: int, world: int,
+                                          config: dict[str, Any] | None = None) -> str:
+    """Rank 1's forward raises inside ``with ctx():``; rank 0 waits in attention's exchange
+    (``config`` picks the backend: round_robin's p2p exchange by default, or blockdiag's own
+    halo / all-to-all)."""
     import torch.distributed as dist
 
     from cp_core.registry import build_sharder
     from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
 
     model = ReferenceDecoder(ReferenceModelConfig(vocab_size=64, seed=0))
-    s = build_sharder({"backend": "round_robin", "size": world}, dist.group.WORLD)
-    ctx, local = s.shard(_batch())
-    with ctx():
-        if rank == 1:
-            raise ValueError("rank 1's forward broke")
-        model(local["input_ids"], position_ids=local["position_ids"])
-    return "forward done"
-
-
-def case_blockdiag_forward_fails(rank: int, world: int, exchange: str) -> str:
-    """As above under blockdiag, whose own K/V exchange (halo or all-to-all) rank 0 waits in."""
-    import torch.distributed as dist
-
-    from cp_core.registry import build_sharder
-    from cp_core.testing.reference_model import ReferenceDecoder, ReferenceModelConfig
-
-    model = ReferenceDecoder(ReferenceModelConfig(vocab_size=64, seed=0))
-    s = build_sharder({"backend": "blockdiag", "size": world, "exchange": exchange},
-                      dist.group.WORLD)
+    cfg = {"backend": "round_robin", **(config or {}), "size": world}
+    s = build_sharder(cfg, dist.group.WORLD)
     ctx, local = s.shard(_batch())
     with ctx():
         if rank == 1:
@@ -141,7 +127,8 @@ def test_the_surviving_rank_names_the_failed_one(case: Callable[..., Any], origi
 @pytest.mark.parametrize("exchange", ["halo", "a2a"])
 def test_blockdiag_exchange_names_the_failed_rank(exchange: str) -> None:
     pytest.importorskip("cp_blockdiag")
-    parts, seconds = _run_failing(case_blockdiag_forward_fails, exchange)
+    parts, seconds = _run_failing(case_forward_fails_inside_the_context,
+                                  {"backend": "blockdiag", "exchange": exchange})
     site = "halo exchange" if exchange == "halo" else "all-to-all"
     assert f"rank 0: blockdiag K/V {site} failed because another rank failed first: rank 1 " \
         "failed: ValueError: rank 1's forward broke" in parts[0], parts[0][-1500:]
