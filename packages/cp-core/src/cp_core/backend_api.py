@@ -12,7 +12,8 @@ What a backend's ``shard_batch`` is built from, in the order it uses them:
   :class:`FlatStreamConfig` for a layout that flattens the rows into one stream),
   :class:`ContextParallelSharder`, :class:`ShardLayout`;
 * the CP mesh, read only through :func:`cp_rank` / :func:`cp_size` / :func:`cp_group`;
-* the batch normaliser (:func:`normalize_batch`, :func:`normalize_with_documents`) and the
+* the batch normaliser (:func:`normalize_batch`, :func:`normalize_with_documents`, and
+  :func:`resolve_primary`: which key is the token stream) and the
   resolvers of documents (:func:`resolve_documents`), positions (:func:`document_positions`,
   :func:`pad_position_ids`), pad fills (:func:`pad_value_for`, :func:`pad_seq_dim`) and pad
   divisors (:mod:`cp_core.padding`);
@@ -53,6 +54,7 @@ from cp_core.batch import (
     pad_position_ids,
     pad_seq_dim,
     pad_value_for,
+    resolve_primary,
 )
 from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
 from cp_core.comm import differentiable_all_gather, record_collective
@@ -121,7 +123,8 @@ __all__ = [
     # mesh
     "CPMeshLike", "SimulatedCPMesh", "cp_rank", "cp_size", "cp_group",
     # batch normaliser and resolvers
-    "NormalizedBatch", "normalize_batch", "normalize_with_documents", "Documents",
+    "NormalizedBatch", "normalize_batch", "resolve_primary", "normalize_with_documents",
+    "Documents",
     "resolve_documents", "without_document_keys", "document_positions", "pad_position_ids",
     "pad_seq_dim", "pad_value_for", "BOUNDARY_KEYS", "DEFAULT_SENTINEL", "Segments",
     # pad divisors and index maps

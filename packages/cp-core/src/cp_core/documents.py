@@ -80,9 +80,10 @@ class Documents:
         self._segments = segments
 
     def segments(self) -> tuple[Any, ...] | None:
-        """``(starts, ends, rows, batch_size)`` numpy arrays when every document is one
-        hole-free run of a row (no pad inside any row) and the ids were not built yet, else
-        None: the attention rectangles then cost O(documents) instead of O(tokens)."""
+        """``(starts, ends, rows, batch_size)`` numpy arrays, one entry per document (``rows``
+        its batch row, in row order), when every document is one hole-free run of a row (no
+        pad inside any row) and the ids were not built yet, else None: the attention
+        rectangles then cost O(documents) instead of O(tokens)."""
         if self._segments is None or not callable(self._ids):
             return None
         if not hasattr(self, "_runs"):
@@ -329,12 +330,7 @@ def _implicit_segments(batch: Mapping[str, Any], bsz: int, seq: int, device: tor
     rows = flat // seq
     # A document ends where the next one starts, or at the end of its row.
     ends = np.minimum(np.concatenate((flat[1:], [bsz * seq])), (rows + 1) * seq)
-    starts, ends = flat - rows * seq, ends - rows * seq
-    first = rows == 0
-    if bsz == 1 or (first.sum() * bsz == rows.size
-                    and (starts.reshape(bsz, -1) == starts[first]).all()):
-        return starts[first], ends[first], None, 1  # every row alike: one shared set
-    return starts, ends, rows, bsz
+    return flat - rows * seq, ends - rows * seq, rows, bsz
 
 
 def _implicit_sources(batch: Mapping[str, Any], bsz: int, seq: int) -> tuple[str, ...]:

@@ -34,17 +34,13 @@ def stream_spans(ids: torch.Tensor) -> np.ndarray:
     return np.stack([starts, ends], axis=1).astype(np.int64)
 
 
-def document_spans(docs: Any, bsz: int, seq: int) -> np.ndarray:
+def document_spans(docs: Any, seq: int) -> np.ndarray:
     """:func:`stream_spans` of a resolved ``Documents``: from its runs when it knows them
     (``Documents.segments()``: O(documents), no per-token scan), else from its ids."""
     runs = docs.segments()
     if runs is None:
         return stream_spans(docs.ids)
-    starts, ends, rows = (np.asarray(x, np.int64) if x is not None else None
-                          for x in runs[:3])
-    if rows is None:  # one set of runs shared by every row
-        rows = np.repeat(np.arange(bsz, dtype=np.int64), starts.size)
-        starts, ends = np.tile(starts, bsz), np.tile(ends, bsz)
+    starts, ends, rows = (np.asarray(x, np.int64) for x in runs[:3])
     keep = ends > starts
     base = rows[keep] * seq
     return np.stack([base + starts[keep], base + ends[keep]], axis=1)

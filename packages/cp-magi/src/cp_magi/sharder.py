@@ -146,7 +146,7 @@ def _build_mask(docs: Documents, rects: Any, bsz: int, seq: int, padded: int,
         out = AttnRectangles(rects.q_ranges, rects.k_ranges, rects.types, padded)
         out.validate(check_overlap=False)  # the caller's object was validated when built
         return out
-    spans = document_spans(docs, bsz, seq)
+    spans = document_spans(docs, seq)
     if mask == "documents":
         return document_mask(spans, padded, attention=attention, window=window, chunk=chunk)
     rows = span_rows(spans, seq)

@@ -37,6 +37,7 @@ from cp_core.backend_api import (
     pad_value_for,
     per_chunk_multiple,
     resolve_documents,
+    resolve_primary,
     thd_document_divisor,
     without_document_keys,
 )
@@ -75,10 +76,9 @@ def document_segments(batch: Mapping[str, Any], sentinel: int = DEFAULT_SENTINEL
     docs = resolve_documents(batch, sentinel=sentinel)
     runs = docs.segments()
     if runs is not None:  # documents known as runs: no per-token scan of their ids
-        primary = batch.get("input_ids", batch.get("inputs_embeds"))
-        if isinstance(primary, torch.Tensor) and primary.dim() >= 2:
-            bsz, seq = int(primary.shape[0]), int(primary.shape[1])
-            return docs, segments_from_runs(runs, bsz, seq, primary.device)
+        _, primary = resolve_primary(batch)  # valid: the resolver read it already
+        return docs, segments_from_runs(runs, int(primary.shape[0]), int(primary.shape[1]),
+                                        primary.device)
     return docs, segments_from_document_ids(docs.ids)
 
 

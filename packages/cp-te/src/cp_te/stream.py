@@ -60,15 +60,11 @@ def segments_from_document_ids(ids: torch.Tensor) -> Segments:
 def segments_from_runs(runs: tuple[Any, ...], bsz: int, seq: int, device: torch.device
                        ) -> Segments:
     """Segments of documents given as hole-free runs without pad (``Documents.segments()``:
-    ``(starts, ends, rows or None for every row alike, batch)``), O(documents): the same
-    segments :func:`segments_from_document_ids` finds by scanning the ids."""
+    ``(starts, ends, rows, batch)``), O(documents): the same segments
+    :func:`segments_from_document_ids` finds by scanning the ids."""
     starts, ends, rows, _ = runs
-    starts = np.asarray(starts, np.int64)
-    ends = np.asarray(ends, np.int64)
-    if rows is None:  # one set shared by every row
-        rows = np.repeat(np.arange(bsz, dtype=np.int64), starts.size)
-        starts, ends = np.tile(starts, bsz), np.tile(ends, bsz)
-    length = torch.from_numpy(ends - starts).to(device)
+    length = torch.from_numpy(np.asarray(ends, np.int64) - np.asarray(starts, np.int64))
+    length = length.to(device)
     return Segments(torch.from_numpy(np.asarray(rows, np.int64)).to(device), length,
                     length.clone(), bsz, seq, "documents")
 

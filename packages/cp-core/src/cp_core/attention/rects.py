@@ -162,12 +162,20 @@ def segment_rects(starts: Any, ends: Any, kind: str, window: int | None = None,
     """The mask of :func:`document_rects` for documents that are each one hole-free segment
     ``[starts[d], ends[d])`` of batch row ``rows[d]`` (None: one stream shared by every row;
     every other position is pad), computed from the segments alone: O(documents), no
-    per-token work.
+    per-token work. Rows with the same segments share one set (``b == -1``), as in
+    :func:`document_rects`.
     """
     st = np.asarray(starts, dtype=np.int64).reshape(-1)
     en = np.asarray(ends, dtype=np.int64).reshape(-1)
-    rw = np.full(st.size, -1, np.int64) if rows is None else \
-        np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows is not None:
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        first = rows == rows[0] if rows.size else rows.astype(bool)
+        n = int(first.sum())
+        if batch == 1 or (n * batch == rows.size
+                          and (st.reshape(batch, n) == st[first]).all()
+                          and (en.reshape(batch, n) == en[first]).all()):
+            st, en, rows, batch = st[first], en[first], None, 1  # every row alike
+    rw = np.full(st.size, -1, np.int64) if rows is None else rows
     keep = en > st
     st, en, rw = st[keep], en[keep], rw[keep]
     if kind == "chunked":
