@@ -159,3 +159,22 @@ def test_documents_known_as_runs_give_the_same_mask_as_their_ids():
         is not None
     assert resolve_documents({**padded, "attention_mask": torch.ones(1, 4),
                               "padding_mask": torch.tensor([[0, 0, 0, 1]])}).segments() is None
+
+
+def test_local_pieces_equal_the_python_definition():
+    # fused_attention (a backend that moved the keys itself): this rank's queries over keys
+    # already here, at any global positions.
+    from cp_core.attention.crop import local_pieces
+    from cp_core.attention.slices import build_rank_slices, index_runs
+
+    rng = random.Random(7)
+    for trial in range(60):
+        seq = rng.choice([8, 24, 64])
+        ids = _random_ids(rng, 1, seq)
+        kind = rng.choice(["causal", "bidirectional", "sliding_window", "chunked"])
+        rects = document_rects(ids, kind, window=rng.randint(1, 9), chunk=rng.randint(1, 9))
+        gen = torch.Generator().manual_seed(trial)
+        q = torch.randperm(seq, generator=gen)[:seq // 2].sort().values
+        k = torch.randperm(seq, generator=gen)[:rng.randint(1, seq)]
+        want = build_rank_slices(rects, index_runs(q), {0: index_runs(k)}).by_src.get(0, [])
+        assert sorted(local_pieces(rects, q, k)) == sorted(want), (trial, kind)

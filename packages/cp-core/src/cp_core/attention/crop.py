@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -281,6 +282,14 @@ def _as_pieces(rows: np.ndarray) -> list[Piece]:
     return [new(Piece, r) for r in rows.tolist()]
 
 
+def local_pieces(rects: BandRects, q_index: Any, k_index: Any) -> list[Piece]:
+    """The pieces of queries at global positions ``q_index`` over keys at ``k_index``, both
+    held on this rank (a backend that moved the keys itself): pass A with one key owner."""
+    queries = RunTable.of(RankRuns.from_indices(q_index.reshape(1, -1)), [0])
+    keys = RunTable.of(RankRuns.from_indices(k_index.reshape(1, -1)), [0])
+    return _as_pieces(merge_full_rows(piece_rows(crop(rects, queries, keys))))
+
+
 def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
                    ) -> tuple[list[Piece], list[tuple[int, list[tuple[int, int]], list[Piece], int,
                                                     list[tuple[int, int]]]]]:
@@ -315,5 +324,5 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     return local, steps
 
 
-__all__ = ["RunTable", "Boxes", "crop", "merged_arrays", "merged_ranges", "piece_rows",
+__all__ = ["RunTable", "Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges", "piece_rows",
            "split_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]

@@ -30,7 +30,7 @@ from cp_core.failures import peer_failures
 from cp_core.runs import RankRuns
 from cp_core.attention.fused import PieceKernel, backward_pieces, forward_pieces, kernel_for
 from cp_core.attention.plan import AttentionPlan
-from cp_core.attention.crop import schedule_parts
+from cp_core.attention.crop import local_pieces, schedule_parts
 from cp_core.attention.rects import BandRects
 from cp_core.attention.slices import (Piece, Run, build_rank_slices, index_runs,
                                       merge_full_pieces, to_buffer_coords)
@@ -311,9 +311,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Att
         rects = plan_rects(plan)
         if rects is None:
             raise ValueError(f"{type(plan.mask).__name__} has no attention_rects()")
-        q_runs, k_runs = index_runs(plan.q_index), index_runs(k_index)
-        mine = build_rank_slices(rects, q_runs, {0: k_runs})
-        sched = P2PSchedule(0, 1, mine.by_src.get(0, []), [])
+        sched = P2PSchedule(0, 1, local_pieces(rects, plan.q_index, k_index), [])
         plan.cache[cache_key] = sched
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _P2PAttention.apply(q, k, v, sched, kernel_for(q.device), s, None)
