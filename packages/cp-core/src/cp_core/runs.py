@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -138,52 +138,54 @@ def _expand(starts: np.ndarray, lengths: np.ndarray, device: torch.device | str 
     return offsets.add_(torch.arange(n, device=device))
 
 
-def install_lazy_indices(cls: type, name: str, runs_field: str) -> None:
-    """Make dataclass field ``name`` of ``cls`` computed from ``runs_field`` when read while
-    unset, then kept.
+def _is_builder(value: Any) -> bool:
+    return callable(value) and not isinstance(value, torch.Tensor)
+
+
+def _install(cls: type, name: str, doc: str, resolve: Callable[[Any, Any], Any]) -> None:
+    """Turn dataclass field ``name`` of ``cls`` into a property whose stored value
+    ``resolve(self, stored)`` completes when read (the completed value is kept).
 
     The frozen dataclass's ``__init__`` assigns fields with ``object.__setattr__``, which goes
     through this property's setter, so constructors, ``dataclasses.replace`` and equality keep
-    working unchanged; only a read of a layout built from runs pays for the expansion.
+    working unchanged; only a read pays for building what was left unbuilt.
     """
     slot = f"_lazy_{name}"
 
     def get(self: Any) -> Any:
-        value = self.__dict__.get(slot)
-        if value is None:
-            runs = getattr(self, runs_field)
-            if runs is not None:
-                value = runs.all_indices()
-                self.__dict__[slot] = value
+        stored = self.__dict__.get(slot)
+        value = resolve(self, stored)
+        if value is not stored:
+            self.__dict__[slot] = value
         return value
 
     def put(self: Any, value: Any) -> None:
         self.__dict__[slot] = value
+        if _is_builder(value):
+            self.__dict__[f"_deferred_{name}"] = True
 
-    setattr(cls, name, property(get, put, doc=f"``{name}`` (expanded from ``{runs_field}`` "
-                                               "when read while unset)"))
+    setattr(cls, name, property(get, put, doc=doc))
+
+
+def install_lazy_indices(cls: type, name: str, runs_field: str) -> None:
+    """Make dataclass field ``name`` of ``cls`` expanded from the :class:`RankRuns` in
+    ``runs_field`` when read while unset, then kept: only a read of a layout built from runs
+    pays for the ``[cp, n_local]`` tensor."""
+
+    def resolve(self: Any, stored: Any) -> Any:
+        runs = getattr(self, runs_field)
+        return runs.all_indices() if stored is None and runs is not None else stored
+
+    _install(cls, name, f"``{name}`` (expanded from ``{runs_field}`` when read while unset)",
+             resolve)
 
 
 def install_deferred(cls: type, name: str) -> None:
     """Let dataclass field ``name`` of ``cls`` be given as a zero-argument function: it is
     called when the field is first read, and its value kept (a per-token map nobody may read
     then costs nothing on the step that built the layout)."""
-    slot = f"_lazy_{name}"
-
-    def get(self: Any) -> Any:
-        value = self.__dict__.get(slot)
-        if callable(value) and not isinstance(value, torch.Tensor):
-            value = value()
-            self.__dict__[slot] = value
-        return value
-
-    def put(self: Any, value: Any) -> None:
-        self.__dict__[slot] = value
-        if callable(value) and not isinstance(value, torch.Tensor):
-            self.__dict__[f"_deferred_{name}"] = True
-
-    setattr(cls, name, property(get, put, doc=f"``{name}`` (given as a function: built when "
-                                               "first read)"))
+    _install(cls, name, f"``{name}`` (given as a function: built when first read)",
+             lambda self, stored: stored() if _is_builder(stored) else stored)
 
 
 def given_deferred(obj: Any, name: str) -> bool:
