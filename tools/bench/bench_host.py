@@ -19,6 +19,8 @@ and every backend is compared with Megatron as the common yardstick.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from cp_core.datasets import packed_rows
 
 from backends import benchmark_backends, make_sharder
 from host_batch import build_from_spec, clone_batch
-from report import make_result, time_median
+from report import make_result
 
 CP = 8
 COLUMNS = ["backend", "shape", "ms", "verify_ms", "x_floor", "x_floor_with_verify", "growth",
@@ -63,29 +65,6 @@ def _fingerprint(t: torch.Tensor) -> list[Any]:
     return [list(t.shape), float((flat * w).sum())]
 
 
-def time_ours(name: str, batch: dict[str, torch.Tensor], repeats: int, warmup: int
-              ) -> dict[str, Any]:
-    """Median time of ``shard`` + entering/leaving its context for backend ``name``."""
-    sharder = make_sharder(name, CP)
-    holder: dict[str, Any] = {}
-
-    def run(b: dict[str, torch.Tensor]) -> None:
-        ctx_factory, out = sharder.shard(b)
-        with ctx_factory():
-            holder["out"] = out
-
-    timing = time_median(run, repeats=repeats, warmup=warmup, setup=lambda: clone_batch(batch))
-    timing["input_ids"] = _fingerprint(holder["out"]["input_ids"])
-    # verify_layout (on by default) adds, per shard, this host summary of the batch and the
-    # layout plus one all-gather of VECTOR_LEN int64 (not timed: a simulated mesh).
-    from cp_core.verify import local_vector
-
-    layout = sharder.shard_layout
-    timing["verify"] = time_median(lambda: local_vector(0, batch, layout), repeats=repeats,
-                                   warmup=warmup)
-    return timing
-
-
 def megatron_floor(batch: dict[str, torch.Tensor], rank: int = 0, cp: int = CP) -> None:
     """What Megatron-Core's ``get_batch_on_this_cp_rank`` does, in this process: head-tail
     chunk indices and one ``index_select`` per key (the floor every backend is held to)."""
@@ -103,9 +82,6 @@ def time_interleaved(names: list[str], batch: dict[str, torch.Tensor], repeats: 
     there) for every backend and the in-process floor, one run of each in turn per repeat,
     so load that comes and goes hits every backend alike. ``verify`` times the host part of
     ``verify_layout`` the same way."""
-    import statistics
-    import time
-
     from cp_core.verify import local_vector
 
     sharders = {n: make_sharder(n, CP) for n in names}
@@ -257,4 +233,4 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
     return make_result("host", settings, rows, COLUMNS, notes)
 
 
-__all__ = ["run_host", "host_specs", "time_ours", "COLUMNS"]
+__all__ = ["run_host", "host_specs", "time_interleaved", "megatron_floor", "COLUMNS"]
