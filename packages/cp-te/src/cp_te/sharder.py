@@ -27,6 +27,7 @@ from cp_core.backend_api import (
     CPBatchError,
     DocumentMask,
     Documents,
+    RankRuns,
     Segments,
     ShardLayout,
     cp_rank,
@@ -41,7 +42,7 @@ from cp_core.backend_api import (
     thd_document_divisor,
     without_document_keys,
 )
-from cp_te.partition import partition_rank_runs, partitioned_indices_all_ranks
+from cp_te.partition import partition_rank_runs
 from cp_te.stream import ThdStream, segments_from_document_ids, segments_from_runs
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
 
@@ -141,10 +142,11 @@ def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: 
 
 
 def plan_stream(segments: Segments, cp: int, chunk_multiple: int = 1
-                ) -> tuple[ThdStream, torch.Tensor]:
-    """The padded stream of ``segments`` and every rank's partition ``[cp, T/cp]``."""
+                ) -> tuple[ThdStream, RankRuns]:
+    """The padded stream of ``segments`` and every rank's partition as runs, O(documents x
+    cp): what a rank needs to know about the others without listing their tokens."""
     stream = ThdStream.build(segments, thd_document_divisor(cp, chunk_multiple))
-    return stream, partitioned_indices_all_ranks(stream.cu_seqlens_padded(), cp)
+    return stream, partition_rank_runs(stream.cu_seqlens_padded(), cp)
 
 
 def shard_batch_thd(
@@ -187,10 +189,8 @@ def shard_batch_thd(
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
     multiple = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                                   sequence_parallel=sequence_parallel, block_size=block_size)
-    # Other ranks' partitions as runs (O(documents x cp)); only this rank's tokens are listed.
-    stream = ThdStream.build(segments, thd_document_divisor(size, multiple))
-    rank_runs = partition_rank_runs(stream.cu_seqlens_padded(), size)
-    local = rank_runs.local_indices(rank, segments.length.device)
+    stream, rank_runs = plan_stream(segments, size, multiple)
+    local = rank_runs.local_indices(rank, segments.length.device)  # only this rank's tokens
     seg, offset = stream.locate(local)
     src = stream.caller_source(seg, offset)
     added = src < 0
