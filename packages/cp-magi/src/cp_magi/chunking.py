@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cp_core.backend_api import RankRuns
 from cp_magi.mask import AttnRectangles
 from cp_magi.solver import Assignment, SolverName, lower_bound, solve
 from cp_magi.solver_rows import descending_order
@@ -156,18 +157,18 @@ def _solve(plan: ChunkPlan, cp: int, solver: SolverName) -> Assignment:
     return solve(plan.workloads, cp, solver, classes=plan.classes if plan.n_classes > 1 else None)
 
 
+def chunk_rank_runs(plan: ChunkPlan, rank_chunks: np.ndarray) -> RankRuns:
+    """Every rank's chunks (ids of ``plan``, ascending, hence in global order) as runs of
+    consecutive positions: O(chunks), what a shard keeps of the other ranks."""
+    return RankRuns.build(plan.starts[rank_chunks], plan.lengths[rank_chunks])
+
+
 def rank_token_indices(plan: ChunkPlan, rank_chunks: np.ndarray) -> np.ndarray:
-    """``[cp, tokens_per_rank]`` global token indices of every rank: its chunks (ids of
-    ``plan``, ascending, hence in global order) laid end to end."""
-    cp = rank_chunks.shape[0]
-    ids = rank_chunks.reshape(-1)
-    lengths = plan.lengths[ids]
-    total = int(lengths.sum())
-    # Run-length expansion: each chunk contributes arange(start, start + length).
-    offsets = np.cumsum(lengths) - lengths
-    idx = np.repeat(plan.starts[ids] - offsets, lengths) + np.arange(total, dtype=np.int64)
-    return idx.reshape(cp, -1)
+    """``[cp, tokens_per_rank]`` global token indices of every rank: its chunks laid end to
+    end (:func:`chunk_rank_runs` expanded)."""
+    return chunk_rank_runs(plan, rank_chunks).all_indices().numpy()
 
 
 __all__ = ["ChunkPlan", "DEFAULT_SPLIT_TOLERANCE", "dispatch", "plan_chunks", "rank_token_indices",
+           "chunk_rank_runs",
            "split_factor"]

@@ -35,7 +35,6 @@ from cp_core.backend_api import (
     CPBatchError,
     CPConfigError,
     Documents,
-    RankRuns,
     ShardLayout,
     cp_rank,
     cp_size,
@@ -51,7 +50,7 @@ from cp_core.backend_api import (
     without_document_keys,
 )
 from cp_magi.documents import RealKeyMask, document_spans, span_rows, stream_spans
-from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, dispatch
+from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, chunk_rank_runs, dispatch
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
@@ -217,8 +216,7 @@ def shard_batch_magi(
                                   solver=solver)
     device = nb.primary.device
     # Every rank's chunks as runs (O(chunks)); only this rank's tokens are listed.
-    rank_runs = RankRuns.build(chunks.starts[assignment.rank_chunks],
-                               chunks.lengths[assignment.rank_chunks])
+    rank_runs = chunk_rank_runs(chunks, assignment.rank_chunks)
     local = rank_runs.local_indices(rank, device)
 
     out = dict(nb.batch)
