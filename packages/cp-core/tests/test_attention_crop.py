@@ -48,7 +48,11 @@ def _canonical(sched):
             [(s.src, s.recv_ranges, sorted(s.pieces), s.dst, s.send_ranges) for s in sched.steps])
 
 
-def test_vectorised_schedule_equals_the_python_definition():
+@pytest.mark.parametrize("few", [0, 10_000], ids=["arrays", "python-tail"])
+def test_vectorised_schedule_equals_the_python_definition(monkeypatch, few):
+    # Both ways of cutting the crops into pieces: array operations (many crops) and the
+    # Python definitions (a handful), forced each way on every layout.
+    monkeypatch.setattr(crop, "_FEW_BOXES", few)
     rng = random.Random(0)
     for trial in range(250):
         cp = rng.choice([1, 2, 3, 4, 8])
@@ -64,14 +68,12 @@ def test_vectorised_schedule_equals_the_python_definition():
             assert got == want, (trial, r, cp, kind)
 
 
-@pytest.mark.parametrize("few", [0, 32], ids=["array-levels", "python-recursion"])
-def test_vectorised_schedule_cuts_long_causal_documents_like_the_definition(monkeypatch, few):
-    # Documents far longer than a causal leaf: the square is halved level by level, by the
-    # array path (forced with few=0) and by the Python recursion used for few boxes.
-    monkeypatch.setattr(crop, "_FEW_CAUSAL", few)
+def test_vectorised_schedule_keeps_long_causal_documents_like_the_definition():
+    # Documents far longer than a kernel's causal leaf: the plan keeps each causal square
+    # whole (the kernel tiles it, test_attention_tiles.py), in both computations alike.
     rng = random.Random(3)
     for trial in range(4):
-        cp, seq = rng.choice([1, 2, 4]), 1536  # causal squares of up to 1536 rows: 3 levels
+        cp, seq = rng.choice([1, 2, 4]), 1536
         ids = torch.zeros(1, seq, dtype=torch.long)
         cuts = sorted(rng.sample(range(1, seq), 3))
         for d, (a, b) in enumerate(zip([0, *cuts], [*cuts, seq]), start=1):
@@ -80,8 +82,9 @@ def test_vectorised_schedule_cuts_long_causal_documents_like_the_definition(monk
         rects = document_rects(ids, kind, chunk=rng.choice([300, 700]))
         layout = _layout(rng, seq, cp, trial)
         for r in range(cp):
-            assert _canonical(schedule_from_runs(rects, RankRuns.from_indices(layout), r)) == \
-                _canonical(build_schedule(rects, rank_runs(layout), r)), (trial, r)
+            got = schedule_from_runs(rects, RankRuns.from_indices(layout), r)
+            assert _canonical(got) == _canonical(build_schedule(rects, rank_runs(layout), r)), \
+                (trial, r)
 
 
 def test_rank_runs_merge_and_expand():

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from cp_core.attention.rects import INF, BandRects
-from cp_core.attention.slices import CAUSAL, CAUSAL_LEAF, FULL, Piece, _pieces
+from cp_core.attention.slices import (
+    CAUSAL,
+    FULL,
+    Piece,
+    _pieces,
+    merge_full_pieces,
+    to_buffer_coords,
+)
 from cp_core.runs import RankRuns
 
 
@@ -37,11 +44,20 @@ class RunTable:
 
     @classmethod
     def of(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
-        """The runs of ``ranks`` in one table (cached on ``runs``)."""
+        """The runs of ``ranks`` in one table (cached on ``runs``): rows of the table of every
+        rank, which is sorted once, so any subset keeps its order without another sort."""
         key = ("run_table", tuple(ranks))
         got = runs.cache.get(key)
         if got is None:
-            got = runs.cache[key] = cls._build(runs, ranks)
+            full = ("run_table", tuple(range(runs.size)))
+            everyone = runs.cache.get(full)
+            if everyone is None:
+                everyone = runs.cache[full] = cls._build(runs, list(range(runs.size)))
+            if key == full:
+                return everyone
+            keep = np.isin(everyone.owner, np.asarray(ranks, np.int64))
+            got = runs.cache[key] = cls(everyone.start[keep], everyone.end[keep],
+                                        everyone.local[keep], everyone.owner[keep])
         return got
 
     @classmethod
@@ -140,14 +156,21 @@ def merged_arrays(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
 def merged_ranges(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
                   ) -> dict[int, list[tuple[int, int]]]:
     """Per owner, the sorted union of its ``[lo, hi)`` ranges."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for o, a, z in zip(*(x.tolist() for x in merged_arrays(owner, lo, hi))):
-        out.setdefault(o, []).append((a, z))
-    return out
+    return ranges_by_owner(*merged_arrays(owner, lo, hi))
 
 
-#: Up to this many causal boxes are cut in Python (measured: cheaper than the array levels).
-_FEW_CAUSAL = 32
+def ranges_by_owner(owner: np.ndarray, start: np.ndarray, end: np.ndarray
+                    ) -> dict[int, list[tuple[int, int]]]:
+    """``{owner: [(start, end), ...]}`` of arrays sorted by owner (tuples built by ``zip`` in
+    C: a per-document split has thousands of ranges)."""
+    if owner.size == 0:
+        return {}
+    cut = np.flatnonzero(owner[1:] != owner[:-1]) + 1
+    bounds = [0, *cut.tolist(), owner.size]
+    starts, ends = start.tolist(), end.tolist()
+    return {int(owner[a]): list(zip(starts[a:b], ends[a:b]))
+            for a, b in zip(bounds[:-1], bounds[1:])}
+
 
 #: Columns of a piece row: the fields of :class:`~cp_core.attention.slices.Piece` in order.
 _B, _Q0, _Q1, _SRC, _K0, _K1, _KIND, _DLO, _DHI = range(9)
@@ -170,55 +193,37 @@ def _full_rows(b: np.ndarray, q0: np.ndarray, q1: np.ndarray, src: np.ndarray, k
 
 def _causal_rows(b: np.ndarray, q0: np.ndarray, q1: np.ndarray, src: np.ndarray,
                  k0: np.ndarray, k1: np.ndarray, dhi: np.ndarray) -> list[np.ndarray]:
-    """``slices._pieces`` of boxes with only an upper bound (``dlo = -INF``), level by level:
-    full keys before the diagonal, the causal square (halved into causal leaves and full
-    rectangles until a leaf has at most ``CAUSAL_LEAF`` rows), full rows below it."""
-    out = []
+    """``slices._pieces`` of boxes with only an upper bound (``dlo = -INF``): full keys before
+    the diagonal, the causal square (one piece: the kernel tiles it), full rows below it."""
     ck = q0 + dhi  # the top row's last key: keys before it are seen by every row
     n = k1 - ck
     pre = ck > k0
-    out.append(_full_rows(b[pre], q0[pre], q0[pre] + n[pre], src[pre], k0[pre], ck[pre]))
     below = q0 + n < q1
-    out.append(_full_rows(b[below], q0[below] + n[below], q1[below], src[below], k0[below],
-                          k1[below]))
-    sq = (b, q0, src, ck, n)
-    while sq[0].size:
-        bb, qq, ss, kk, nn = sq
-        leaf = nn <= CAUSAL_LEAF
-        rows = _full_rows(bb[leaf], qq[leaf], qq[leaf] + nn[leaf], ss[leaf], kk[leaf],
-                          kk[leaf] + nn[leaf])
-        rows[:, _KIND] = CAUSAL
-        out.append(rows)
-        split = ~leaf
-        bb, qq, ss, kk, nn = (x[split] for x in (bb, qq, ss, kk, nn))
-        h = nn // 2
-        out.append(_full_rows(bb, qq + h, qq + nn, ss, kk, kk + h))
-        sq = (np.concatenate((bb, bb)), np.concatenate((qq, qq + h)), np.concatenate((ss, ss)),
-              np.concatenate((kk, kk + h)), np.concatenate((h, nn - h)))
-    return out
+    square = _full_rows(b, q0, q0 + n, src, ck, k1)
+    square[:, _KIND] = CAUSAL
+    return [_full_rows(b[pre], q0[pre], q0[pre] + n[pre], src[pre], k0[pre], ck[pre]), square,
+            _full_rows(b[below], q0[below] + n[below], q1[below], src[below], k0[below],
+                       k1[below])]
 
 
 def piece_rows(boxes: Boxes) -> np.ndarray:
     """Kernel pieces of the boxes as ``[P, 9]`` rows (:class:`Piece` fields).
 
-    FULL boxes are rows as they are, causal ones are cut with array operations; band boxes
-    (two bounds: sliding windows) are cut by ``slices._pieces``.
+    FULL and causal boxes with array operations (a causal square stays one piece); band boxes
+    (two bounds: sliding windows) are cut into tiles by ``slices._pieces``.
     """
     full = (boxes.dlo == -INF) & (boxes.dhi == INF)
     causal = (boxes.dlo == -INF) & (boxes.dhi < INF)
     cols = (boxes.b, boxes.q0, boxes.q1, boxes.k_owner, boxes.k0, boxes.k1)
     parts = [_full_rows(*(x[full] for x in cols))]
-    # A handful of causal boxes (a head-tail layout's few long documents) is cut faster by
-    # the Python recursion than by a dozen array levels; many (a per-document split) by arrays.
-    few = int(causal.sum()) <= _FEW_CAUSAL
-    if not few:
-        parts += _causal_rows(*(x[causal] for x in cols), boxes.dhi[causal])
-    cut: list[Piece] = []
-    band = ~full if few else ~(full | causal)
-    for args in zip(*(x[band].tolist() for x in (*cols, boxes.dlo, boxes.dhi))):
-        _pieces(*args, cut)
-    if cut:
-        parts.append(_rows_of(cut))
+    parts += _causal_rows(*(x[causal] for x in cols), boxes.dhi[causal])
+    band = ~(full | causal)
+    if band.any():
+        cut: list[Piece] = []
+        for args in zip(*(x[band].tolist() for x in (*cols, boxes.dlo, boxes.dhi))):
+            _pieces(*args, cut)
+        if cut:
+            parts.append(_rows_of(cut))
     return np.concatenate(parts)
 
 
@@ -241,11 +246,9 @@ def _merge_runs(rows: np.ndarray, same: tuple[int, ...], lo: int, hi: int) -> np
         cont &= rows[1:, c] == rows[:-1, c]
     cont &= rows[1:, lo] == rows[:-1, hi]
     start = np.concatenate(([True], ~cont))
-    group = np.cumsum(start) - 1
-    out = rows[start].copy()
-    last = np.zeros(out.shape[0], np.int64)
-    np.maximum.at(last, group, np.arange(rows.shape[0]))
-    out[:, hi] = rows[last, hi]
+    out = rows[start]
+    # A chain of touching ranges ends with its largest end: its last row's.
+    out[:, hi] = rows[np.concatenate((start[1:], [True])), hi]
     return out
 
 
@@ -290,6 +293,36 @@ def local_pieces(rects: BandRects, q_index: Any, k_index: Any) -> list[Piece]:
     return _as_pieces(merge_full_rows(piece_rows(crop(rects, queries, keys))))
 
 
+#: Up to this many crops, pieces are cut and merged by the Python definitions of
+#: :mod:`cp_core.attention.slices`: below that numpy's per-call overhead costs more than the
+#: loop (a head-tail layout has about a dozen crops per rank).
+_FEW_BOXES = 64
+
+
+def _few_pieces(mine: Boxes, rank: int, recv: dict[int, list[tuple[int, int]]]
+                ) -> tuple[list[Piece], dict[int, list[Piece]]]:
+    """:func:`_many_pieces` for a handful of boxes, in Python."""
+    by: dict[int, list[Piece]] = {}
+    cols = (mine.b, mine.q0, mine.q1, mine.k_owner, mine.k0, mine.k1, mine.dlo, mine.dhi)
+    for args in zip(*(x.tolist() for x in cols)):
+        _pieces(*args, by.setdefault(args[3], []))
+    local = merge_full_pieces(by.pop(rank, []))
+    return local, {s: merge_full_pieces(to_buffer_coords(merge_full_pieces(ps), recv[s]))
+                   for s, ps in by.items()}
+
+
+def _many_pieces(mine: Boxes, rank: int, r_owner: np.ndarray, r_start: np.ndarray,
+                 r_end: np.ndarray) -> tuple[list[Piece], dict[int, list[Piece]]]:
+    """This rank's local pieces, and per source its pieces in receive-buffer coordinates."""
+    # Local and remote pieces never merge with each other (the source is part of the key),
+    # so one merge serves both; remote ones then move to buffer coordinates (ranges that were
+    # apart on the owner sit back to back there), are merged again, and split by source.
+    rows = merge_full_rows(piece_rows(mine))
+    is_local = rows[:, _SRC] == rank
+    remote = merge_full_rows(buffer_rows(rows[~is_local], r_owner, r_start, r_end))
+    return _as_pieces(rows[is_local]), {s: _as_pieces(r) for s, r in split_by_src(remote).items()}
+
+
 def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
                    ) -> tuple[list[Piece], list[tuple[int, list[tuple[int, int]], list[Piece], int,
                                                     list[tuple[int, int]]]]]:
@@ -301,17 +334,11 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     everyone = RunTable.of(runs, list(range(size)))
     mine = crop(rects, me, everyone)
     r_owner, r_start, r_end = merged_arrays(mine.k_owner, mine.k0, mine.k1)
-    rows = piece_rows(mine)
-    is_local = rows[:, _SRC] == rank
-    local = _as_pieces(merge_full_rows(rows[is_local]))
-    # Every source's pieces at once: merged, moved to buffer coordinates (ranges that were
-    # apart on the owner sit back to back there), merged again, then split by source.
-    remote = merge_full_rows(buffer_rows(merge_full_rows(rows[~is_local]), r_owner, r_start,
-                                         r_end))
-    by_src = split_by_src(remote)
-    recv: dict[int, list[tuple[int, int]]] = {}
-    for o, a, z in zip(r_owner.tolist(), r_start.tolist(), r_end.tolist()):
-        recv.setdefault(o, []).append((a, z))
+    recv = ranges_by_owner(r_owner, r_start, r_end)
+    if mine.b.size <= _FEW_BOXES:
+        local, by_src = _few_pieces(mine, rank, recv)
+    else:
+        local, by_src = _many_pieces(mine, rank, r_owner, r_start, r_end)
     others = [r for r in range(size) if r != rank]
     theirs = crop(rects, RunTable.of(runs, others), me) if others else None
     send = merged_ranges(theirs.q_owner, theirs.k0, theirs.k1) if theirs is not None else {}
@@ -319,10 +346,11 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
         ranges = recv.get(src, [])
-        pieces = _as_pieces(by_src[src]) if ranges and src in by_src else []
-        steps.append((src, ranges, pieces, dst, send.get(dst, [])))
+        steps.append((src, ranges, by_src.get(src, []) if ranges else [], dst,
+                      send.get(dst, [])))
     return local, steps
 
 
-__all__ = ["RunTable", "Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges", "piece_rows",
+__all__ = ["RunTable", "Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
+           "ranges_by_owner", "piece_rows",
            "split_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]

@@ -23,14 +23,27 @@ from typing import Protocol
 
 import torch
 
-from cp_core.attention.slices import BAND, CAUSAL, Piece
+from cp_core.attention.slices import BAND, CAUSAL, FULL, Piece
 
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+#: Causal squares larger than this are computed by the CPU kernels as two causal halves and
+#: a full rectangle (recursively). They compute whole tiles across the diagonal; measured with
+#: PyTorch's CPU flash op (one thread), forward+backward of a causal square of 512-4096 rows
+#: took 0.77-0.89x the time of the single call when cut down to leaves of 128-256 rows.
+CAUSAL_LEAF = 256
+
+
 class PieceKernel(Protocol):
-    """Fused attention for one piece: ``q [B, Hq, nq, D]``, ``k/v [B, Hkv, nk, D/Dv]``."""
+    """Fused attention for one piece: ``q [B, Hq, nq, D]``, ``k/v [B, Hkv, nk, D/Dv]``.
+
+    ``causal_leaf``: the largest causal square the kernel computes in one call (None: any; a
+    kernel that skips the tiles above the diagonal itself).
+    """
+
+    causal_leaf: int | None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +60,8 @@ class PieceKernel(Protocol):
 
 class CPUFlashKernel:
     """PyTorch's fused CPU flash-attention forward and backward ops."""
+
+    causal_leaf: int | None = CAUSAL_LEAF
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +84,11 @@ class CUDAEfficientKernel:
     """PyTorch's memory-efficient SDPA op on CUDA.
 
     Some releases return the LSE padded to a multiple of 32 rows: it is sliced for the merge
-    and padded back the same way for the backward (whichever the forward showed).
+    and padded back the same way for the backward (whichever the forward showed). It skips the
+    blocks above a causal diagonal itself, so causal squares reach it whole.
     """
+
+    causal_leaf: int | None = None
 
     def __init__(self) -> None:
         self.pads_lse = False
@@ -112,7 +130,11 @@ class CUDAEfficientKernel:
 
 
 class MathKernel:
-    """Plain-torch attention with explicit scores: the reference the fused kernels match."""
+    """Plain-torch attention with explicit scores: the reference the fused kernels match.
+
+    Causal squares reach it in leaves too: its score matrix is ``nq x nk``."""
+
+    causal_leaf: int | None = CAUSAL_LEAF
 
     @staticmethod
     def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None,
@@ -218,11 +240,44 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, p: Piece, out: torc
     l_view.copy_(new)
 
 
+@functools.lru_cache(maxsize=8192)
+def causal_tiles(p: Piece, leaf: int) -> tuple[Piece, ...]:
+    """A causal piece as kernel calls of at most ``leaf`` causal rows: the square halved into
+    two causal squares and the full rectangle below the first (recursively). The calls cover
+    exactly the square's allowed pairs, each once. Cached: the layers of a step share pieces."""
+    out: list[Piece] = []
+    stack = [(p.q0, p.k0, p.q1 - p.q0)]
+    while stack:
+        q0, k0, n = stack.pop()
+        if n <= leaf:
+            out.append(p._replace(q0=q0, q1=q0 + n, k0=k0, k1=k0 + n))
+            continue
+        h = n // 2
+        out.append(Piece(p.b, q0 + h, q0 + n, p.src, k0, k0 + h, FULL))
+        stack += [(q0 + h, k0 + h, n - h), (q0, k0, h)]
+    return tuple(out)
+
+
+def kernel_calls(kernel: PieceKernel, pieces: list[Piece]) -> list[Piece]:
+    """The pieces as ``kernel`` computes them: causal squares above its ``causal_leaf`` tiled
+    (:func:`causal_tiles`), everything else as it is."""
+    leaf = getattr(kernel, "causal_leaf", None)
+    if leaf is None:
+        return pieces
+    out: list[Piece] = []
+    for p in pieces:
+        if p.kind == CAUSAL and p.q1 - p.q0 > leaf:
+            out += causal_tiles(p, leaf)
+        else:
+            out.append(p)
+    return out
+
+
 def forward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    pieces: list[Piece], scale: float, out_acc: torch.Tensor,
                    lse_acc: torch.Tensor) -> None:
     """Compute every piece against keys ``k``/``v`` and merge it into the accumulators."""
-    for p in pieces:
+    for p in kernel_calls(kernel, pieces):
         o, lse = kernel.forward(_rows(q, p), _keys(k, p), _keys(v, p), p.kind == CAUSAL,
                                 _piece_mask(p, q.dtype, q.device), scale)
         merge_into(out_acc, lse_acc, p, o, lse)
@@ -233,7 +288,7 @@ def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: to
                     grad_out: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                     dv: torch.Tensor) -> None:
     """Add every piece's ``(dq, dk, dv)`` into the accumulators (``dk``/``dv`` index ``k``)."""
-    for p in pieces:
+    for p in kernel_calls(kernel, pieces):
         gq, gk, gv = kernel.backward(
             _rows(grad_out, p), _rows(q, p), _keys(k, p), _keys(v, p), _rows(out, p),
             _rows(lse.unsqueeze(-1), p).squeeze(-1), p.kind == CAUSAL,
@@ -243,5 +298,5 @@ def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: to
         _keys(dv, p).add_(gv.to(dv.dtype))
 
 
-__all__ = ["PieceKernel", "CPUFlashKernel", "CUDAEfficientKernel", "MathKernel", "kernel_for",
+__all__ = ["CAUSAL_LEAF", "causal_tiles", "kernel_calls", "PieceKernel", "CPUFlashKernel", "CUDAEfficientKernel", "MathKernel", "kernel_for",
            "band_mask", "merge_into", "forward_pieces", "backward_pieces"]

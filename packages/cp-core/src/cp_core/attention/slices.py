@@ -112,22 +112,11 @@ def _band_tile_rows(dlo: int, dhi: int) -> int:
     return max(16, width // 4)
 
 
-#: Causal squares larger than this are split in two causal halves and a full rectangle
-#: (recursively). Fused kernels compute whole tiles across the diagonal; measured with
-#: PyTorch's CPU flash op (one thread), forward+backward of a causal square of 512-4096 rows
-#: took 0.77-0.89x the time of the single call when cut down to leaves of 128-256 rows.
-CAUSAL_LEAF = 256
-
-
 def _causal(b: int, q0: int, src: int, k0: int, n: int, out: list[Piece]) -> None:
-    """A top-left causal square of ``n`` rows as causal leaves and full rectangles."""
-    if n <= CAUSAL_LEAF:
-        out.append(Piece(b, q0, q0 + n, src, k0, k0 + n, CAUSAL))
-        return
-    h = n // 2
-    _causal(b, q0, src, k0, h, out)
-    out.append(Piece(b, q0 + h, q0 + n, src, k0, k0 + h, FULL))
-    _causal(b, q0 + h, src, k0 + h, n - h, out)
+    """A top-left causal square of ``n`` rows: one piece, whatever its size. How a kernel
+    tiles the diagonal is the kernel's business (:func:`cp_core.attention.fused.kernel_calls`),
+    so the host plan stays O(rectangles x runs) and never grows with document length."""
+    out.append(Piece(b, q0, q0 + n, src, k0, k0 + n, CAUSAL))
 
 
 def _pieces(b: int, qs: int, qe: int, src: int, ks: int, ke: int, dlo: int, dhi: int,
