@@ -98,3 +98,28 @@ def test_bad_ids_raise() -> None:
                            "_packed_seq_ids": torch.tensor([[1, 2, 1]])})
     with pytest.raises(CPBatchError, match=r"\(2, 2, 11, 11\).*\[B, 1, S, S\]"):
         resolve_documents({**TOK, "attention_mask": torch.ones(2, 2, 11, 11, dtype=torch.bool)})
+
+
+def test_implicit_source_agrees_with_the_position_scan() -> None:
+    # The lazily resolved source is read from the documents' runs when they exist; the plain
+    # scan of position_ids (position_ids_restart) is the definition, pad or no pad.
+    import random
+
+    from cp_core.doc_sources import position_ids_restart, position_rows
+
+    rng = random.Random(4)
+    for trial in range(120):
+        bsz, seq = rng.choice([1, 2, 3]), rng.randint(1, 12)
+        rows = [[rng.choice([0, 1, 2, 5]) if rng.random() < 0.3 else i for i in range(seq)]
+                for _ in range(bsz)]
+        if rng.random() < 0.3:
+            rows = [[i for i in range(seq)] for _ in range(bsz)]
+        batch = {"input_ids": torch.zeros(bsz, seq, dtype=torch.long),
+                 "position_ids": torch.tensor(rows[:1] if rng.random() < 0.2 else rows)}
+        if rng.random() < 0.3:
+            batch["attention_mask"] = torch.ones(bsz, seq, dtype=torch.long)
+            batch["attention_mask"][0, -1] = rng.choice([0, 1])
+        pos = position_rows(batch["position_ids"], bsz, seq)
+        want = "position_ids" if position_ids_restart(pos) else "single_document"
+        docs = resolve_documents(batch)
+        assert docs.source == want, (trial, rows)

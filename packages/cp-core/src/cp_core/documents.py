@@ -260,9 +260,10 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
     if not found:
         # Nothing to refuse: documents from restarting positions (or one per row) and the
         # caller's pad, built when first read (a static layout's shard stays this cheap).
-        return Documents(lambda: _implicit_ids(batch, bsz, seq, device),
-                         lambda: _implicit_sources(batch, bsz, seq),
+        docs = Documents(lambda: _implicit_ids(batch, bsz, seq, device), (),
                          segments=lambda: _implicit_segments(batch, bsz, seq, device))
+        docs._sources = lambda: _implicit_sources(batch, bsz, seq, docs.segments)
+        return docs
     by_position = _position_source(batch, bsz, seq, device)
     if by_position is not None:
         found["position_ids"] = by_position
@@ -333,7 +334,12 @@ def _implicit_segments(batch: Mapping[str, Any], bsz: int, seq: int, device: tor
     return flat - rows * seq, ends - rows * seq, rows, bsz
 
 
-def _implicit_sources(batch: Mapping[str, Any], bsz: int, seq: int) -> tuple[str, ...]:
+def _implicit_sources(batch: Mapping[str, Any], bsz: int, seq: int,
+                      segments: Callable[[], tuple[Any, ...] | None]) -> tuple[str, ...]:
+    runs = segments()
+    if runs is not None:
+        # The runs were read from the same positions: a restart is a document more than rows.
+        return ("position_ids",) if runs[0].size > bsz else ()
     pos = position_rows(batch.get("position_ids"), bsz, seq)
     return ("position_ids",) if position_ids_restart(pos) else ()
 

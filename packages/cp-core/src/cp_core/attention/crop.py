@@ -44,21 +44,29 @@ class RunTable:
 
     @classmethod
     def of(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
-        """The runs of ``ranks`` in one table (cached on ``runs``): rows of the table of every
-        rank, which is sorted once, so any subset keeps its order without another sort."""
+        """The runs of ``ranks`` in one table (cached on ``runs``)."""
         key = ("run_table", tuple(ranks))
         got = runs.cache.get(key)
         if got is None:
-            full = ("run_table", tuple(range(runs.size)))
-            everyone = runs.cache.get(full)
-            if everyone is None:
-                everyone = runs.cache[full] = cls._build(runs, list(range(runs.size)))
-            if key == full:
-                return everyone
-            keep = np.isin(everyone.owner, np.asarray(ranks, np.int64))
-            got = runs.cache[key] = cls(everyone.start[keep], everyone.end[keep],
-                                        everyone.local[keep], everyone.owner[keep])
+            got = runs.cache[key] = cls._build(runs, ranks)
         return got
+
+    @classmethod
+    def split(cls, runs: RankRuns, rank: int) -> tuple["RunTable", "RunTable", "RunTable"]:
+        """``(rank's runs, every rank's, every other rank's)``, cached on ``runs``: the table
+        of every rank is sorted once and the other two are its rows of one owner or the rest
+        (a subset of sorted rows stays sorted)."""
+        key = ("run_split", rank)
+        got = runs.cache.get(key)
+        if got is None:
+            everyone = cls.of(runs, list(range(runs.size)))
+            mine = everyone.owner == rank
+            got = runs.cache[key] = (everyone.rows(mine), everyone, everyone.rows(~mine))
+        return got
+
+    def rows(self, keep: np.ndarray) -> "RunTable":
+        """The table of the runs where ``keep`` is True."""
+        return RunTable(self.start[keep], self.end[keep], self.local[keep], self.owner[keep])
 
     @classmethod
     def _build(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
@@ -281,8 +289,9 @@ def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.
 
 
 def _as_pieces(rows: np.ndarray) -> list[Piece]:
+    # Column lists zipped in C, then retyped: cheaper than a list per row from tolist().
     new = tuple.__new__
-    return [new(Piece, r) for r in rows.tolist()]
+    return [new(Piece, r) for r in zip(*rows.T.tolist())]
 
 
 def local_pieces(rects: BandRects, q_index: Any, k_index: Any) -> list[Piece]:
@@ -307,20 +316,19 @@ def _few_pieces(mine: Boxes, rank: int, recv: dict[int, list[tuple[int, int]]]
     for args in zip(*(x.tolist() for x in cols)):
         _pieces(*args, by.setdefault(args[3], []))
     local = merge_full_pieces(by.pop(rank, []))
-    return local, {s: merge_full_pieces(to_buffer_coords(merge_full_pieces(ps), recv[s]))
-                   for s, ps in by.items()}
+    return local, {s: merge_full_pieces(to_buffer_coords(ps, recv[s])) for s, ps in by.items()}
 
 
 def _many_pieces(mine: Boxes, rank: int, r_owner: np.ndarray, r_start: np.ndarray,
                  r_end: np.ndarray) -> tuple[list[Piece], dict[int, list[Piece]]]:
     """This rank's local pieces, and per source its pieces in receive-buffer coordinates."""
-    # Local and remote pieces never merge with each other (the source is part of the key),
-    # so one merge serves both; remote ones then move to buffer coordinates (ranges that were
-    # apart on the owner sit back to back there), are merged again, and split by source.
-    rows = merge_full_rows(piece_rows(mine))
+    rows = piece_rows(mine)
     is_local = rows[:, _SRC] == rank
+    # Remote pieces are merged in buffer coordinates only: ranges that touch on the owner
+    # touch in the buffer too, and ranges that were apart there sit back to back.
     remote = merge_full_rows(buffer_rows(rows[~is_local], r_owner, r_start, r_end))
-    return _as_pieces(rows[is_local]), {s: _as_pieces(r) for s, r in split_by_src(remote).items()}
+    local = _as_pieces(merge_full_rows(rows[is_local]))
+    return local, {s: _as_pieces(r) for s, r in split_by_src(remote).items()}
 
 
 def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
@@ -330,8 +338,7 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     buffer coordinates, dst, send ranges)`` — what :class:`~cp_core.attention.p2p.RingStep`
     holds."""
     size = runs.size
-    me = RunTable.of(runs, [rank])
-    everyone = RunTable.of(runs, list(range(size)))
+    me, everyone, others = RunTable.split(runs, rank)
     mine = crop(rects, me, everyone)
     r_owner, r_start, r_end = merged_arrays(mine.k_owner, mine.k0, mine.k1)
     recv = ranges_by_owner(r_owner, r_start, r_end)
@@ -339,8 +346,7 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
         local, by_src = _few_pieces(mine, rank, recv)
     else:
         local, by_src = _many_pieces(mine, rank, r_owner, r_start, r_end)
-    others = [r for r in range(size) if r != rank]
-    theirs = crop(rects, RunTable.of(runs, others), me) if others else None
+    theirs = crop(rects, others, me) if size > 1 else None
     send = merged_ranges(theirs.q_owner, theirs.k0, theirs.k1) if theirs is not None else {}
     steps = []
     for i in range(1, size):

@@ -97,18 +97,19 @@ def rank_runs(rank_indices: torch.Tensor) -> list[list[Run]]:
 def build_schedule(rects: BandRects, runs: list[list[Run]], rank: int) -> P2PSchedule:
     """This rank's pieces and ring steps (see the module docstring)."""
     size = len(runs)
-    mine = build_rank_slices(rects, runs[rank], {s: runs[s] for s in range(size)})
+    mine = build_rank_slices(rects, runs[rank], {s: runs[s] for s in range(size)}, merge=False)
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
         recv = mine.needed.get(src, [])
-        # In the buffer, ranges that were apart on the owner sit back to back: merge again.
+        # Merged in the buffer only: ranges that touch on the owner touch there too, and
+        # ranges that were apart on the owner sit back to back.
         pieces = merge_full_pieces(to_buffer_coords(mine.by_src.get(src, []), recv)) \
             if recv else []
         # What dst will ask of us: the same cropping, seen from dst's queries.
         theirs = build_rank_slices(rects, runs[dst], {rank: runs[rank]}, pieces=False)
         steps.append(RingStep(src, recv, pieces, dst, theirs.needed.get(rank, [])))
-    return P2PSchedule(rank, size, mine.by_src.get(rank, []), steps)
+    return P2PSchedule(rank, size, merge_full_pieces(mine.by_src.get(rank, [])), steps)
 
 
 def schedule_from_runs(rects: BandRects, runs: RankRuns, rank: int) -> P2PSchedule:

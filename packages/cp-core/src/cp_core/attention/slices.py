@@ -187,7 +187,7 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def build_rank_slices(rects: BandRects, q_runs: list[Run], k_runs: dict[int, list[Run]],
-                      pieces: bool = True) -> RankSlices:
+                      pieces: bool = True, merge: bool = True) -> RankSlices:
     """Crop every rectangle to (query run x key run) of the given owners and cut it into pieces.
 
     ``q_runs``: this rank's query runs; ``k_runs[s]``: the runs of key owner ``s``. Cropping one
@@ -195,6 +195,8 @@ def build_rank_slices(rects: BandRects, q_runs: list[Run], k_runs: dict[int, lis
     passes only its own key runs computes exactly the key ranges the receiver will read.
     ``needed`` comes from the tightened boxes (whose keys the pieces cover exactly), so a
     sender can skip cutting pieces (``pieces=False``) and still agree with the receiver.
+    ``merge=False`` leaves the FULL pieces unmerged (for a caller that moves them to receive
+    buffer coordinates first, where more of them touch).
     """
     result = RankSlices()
     boxes: dict[int, list[tuple[int, int]]] = {}
@@ -241,8 +243,9 @@ def build_rank_slices(rects: BandRects, q_runs: list[Run], k_runs: dict[int, lis
                         result.by_src.setdefault(src, []))
     for s, ranges in boxes.items():
         result.needed[s] = merge_ranges(ranges)
-    for s, ps in result.by_src.items():
-        result.by_src[s] = merge_full_pieces(ps)
+    if merge:
+        for s, ps in result.by_src.items():
+            result.by_src[s] = merge_full_pieces(ps)
     return result
 
 
