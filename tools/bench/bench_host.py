@@ -33,7 +33,8 @@ from host_batch import build_from_spec, clone_batch
 from report import make_result
 
 CP = 8
-COLUMNS = ["backend", "shape", "ms", "verify_ms", "x_floor", "x_floor_with_verify", "growth",
+COLUMNS = ["backend", "shape", "ms", "tiles_ms", "verify_ms", "x_floor", "x_floor_with_verify",
+           "growth",
            "vs_megatron", "vs_nemo_rr", "vs_nemo_contig", "same_as_peer"]
 
 #: Which peer case implements the same layout as one of our backends (for the fingerprint
@@ -76,17 +77,40 @@ def megatron_floor(batch: dict[str, torch.Tensor], rank: int = 0, cp: int = CP) 
         v.index_select(1, idx)
 
 
+def cpu_tiling(plan: Any) -> float | None:
+    """Process time of the host work the CPU kernels add at a step's first attention call:
+    cutting the plan's causal squares into leaves (``fused.kernel_calls``; CUDA kernels take
+    them whole). None when no fused schedule was built by then."""
+    from cp_core.attention.fused import CPUFlashKernel, causal_tiles, kernel_calls
+    from cp_core.attention.p2p import P2PSchedule
+
+    scheds = [v for v in plan.cache.values() if isinstance(v, P2PSchedule)]
+    if not scheds:
+        return None
+    causal_tiles.cache_clear()  # a new step's pieces are new
+    kernel = CPUFlashKernel()
+    t0 = time.process_time()
+    for s in scheds:
+        kernel_calls(kernel, s.local)
+        for step in s.steps:
+            kernel_calls(kernel, step.pieces)
+    return time.process_time() - t0
+
+
 def time_interleaved(names: list[str], batch: dict[str, torch.Tensor], repeats: int,
                      warmup: int) -> dict[str, dict[str, Any]]:
     """Process CPU time of ``shard`` + entering the context (the attention plan is built
     there) for every backend and the in-process floor, one run of each in turn per repeat,
     so load that comes and goes hits every backend alike. ``verify`` times the host part of
     ``verify_layout`` the same way."""
+    from cp_core.attention.intercept import active_plan
     from cp_core.verify import local_vector
 
     sharders = {n: make_sharder(n, CP) for n in names}
     samples: dict[str, list[float]] = {n: [] for n in [*names, "floor"]}
     verify: dict[str, list[float]] = {n: [] for n in names}
+    tiles: dict[str, list[float]] = {n: [] for n in names}
+    plans: dict[str, Any] = {}
     holder: dict[str, Any] = {}
     for i in range(warmup + repeats):
         for n in [*names, "floor"]:
@@ -98,8 +122,12 @@ def time_interleaved(names: list[str], batch: dict[str, torch.Tensor], repeats: 
                 ctx_factory, out = sharders[n].shard(b)
                 with ctx_factory():
                     holder[n] = out
+                    plans[n] = active_plan()
             dt = time.process_time() - t0
             if n != "floor":
+                tiled = cpu_tiling(plans[n]) if plans[n] is not None else None
+                if tiled is not None and i >= warmup:
+                    tiles[n].append(tiled)
                 layout = sharders[n].shard_layout
                 t1 = time.process_time()
                 local_vector(0, batch, layout)
@@ -114,6 +142,8 @@ def time_interleaved(names: list[str], batch: dict[str, torch.Tensor], repeats: 
         if n != "floor":
             out[n]["input_ids"] = _fingerprint(holder[n]["input_ids"])
             out[n]["verify"] = {"median_s": statistics.median(verify[n])}
+            if tiles[n]:
+                out[n]["tiles"] = {"median_s": statistics.median(tiles[n])}
     return out
 
 
@@ -188,6 +218,8 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
                 continue
             row: dict[str, Any] = {"backend": n, "shape": shape, "ms": 1e3 * t["median_s"],
                                    "verify_ms": 1e3 * t["verify"]["median_s"], "timing": t}
+            if "tiles" in t:
+                row["tiles_ms"] = 1e3 * t["tiles"]["median_s"]
             if floor:
                 row["x_floor"] = t["median_s"] / floor
                 row["x_floor_with_verify"] = (t["median_s"] + t["verify"]["median_s"]) / floor
@@ -225,7 +257,10 @@ def run_host(*, quick: bool = False, peers: bool = False, out_dir: Path = Path("
                  "context (where the attention plan is built), backends interleaved, rank 0 of "
                  f"cp={CP}, one thread; verify_ms = the host part verify_layout adds to every "
                  "shard (batch and layout fingerprints; one all-gather of 88 bytes per rank "
-                 "on top); vs_* = ours / peer (< 1: ours faster); same_as_peer: "
+                 "on top); tiles_ms = host work the CPU kernels add at the first attention call "
+                 "(causal squares cut into leaves; CUDA kernels take them whole; '-' where the "
+                 "backend builds its pieces at the first call, not in the timed region); "
+                 "vs_* = ours / peer (< 1: ours faster); same_as_peer: "
                  "rank 0's input_ids shard is identical to the peer of the same layout")
     settings = {"cp": CP, "rank": 0, "shapes": shapes, "repeats": repeats, "warmup": warmup,
                 "seed": seed, "peers": peers, "peer_info": peer_info, "quick": quick,
