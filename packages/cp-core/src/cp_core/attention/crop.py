@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from cp_core.attention.rects import INF, BandRects
+from cp_core.attention.run_table import RunTable, overlaps
 from cp_core.attention.slices import (
     CAUSAL,
     FULL,
@@ -31,66 +32,6 @@ from cp_core.attention.slices import (
     to_buffer_coords,
 )
 from cp_core.runs import RankRuns
-
-
-@dataclass(frozen=True)
-class RunTable:
-    """Runs sorted by global start: ``[start, end)``, local row of ``start``, owner rank."""
-
-    start: np.ndarray
-    end: np.ndarray
-    local: np.ndarray
-    owner: np.ndarray
-
-    @classmethod
-    def of(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
-        """The runs of ``ranks`` in one table (cached on ``runs``)."""
-        key = ("run_table", tuple(ranks))
-        got = runs.cache.get(key)
-        if got is None:
-            got = runs.cache[key] = cls._build(runs, ranks)
-        return got
-
-    @classmethod
-    def split(cls, runs: RankRuns, rank: int) -> tuple["RunTable", "RunTable", "RunTable"]:
-        """``(rank's runs, every rank's, every other rank's)``, cached on ``runs``: the table
-        of every rank is sorted once and the other two are its rows of one owner or the rest
-        (a subset of sorted rows stays sorted)."""
-        key = ("run_split", rank)
-        got = runs.cache.get(key)
-        if got is None:
-            everyone = cls.of(runs, list(range(runs.size)))
-            mine = everyone.owner == rank
-            got = runs.cache[key] = (everyone.rows(mine), everyone, everyone.rows(~mine))
-        return got
-
-    def rows(self, keep: np.ndarray) -> "RunTable":
-        """The table of the runs where ``keep`` is True."""
-        return RunTable(self.start[keep], self.end[keep], self.local[keep], self.owner[keep])
-
-    @classmethod
-    def _build(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
-        st = [runs.starts[r] for r in ranks]
-        ln = [runs.lengths[r] for r in ranks]
-        lo = [runs.local_offsets(r) for r in ranks]
-        ow = [np.full(s.size, r, np.int64) for r, s in zip(ranks, st)]
-        start = np.concatenate(st) if st else np.zeros(0, np.int64)
-        order = np.argsort(start, kind="stable")
-        end = (start + (np.concatenate(ln) if ln else np.zeros(0, np.int64)))
-        return cls(start[order], end[order], np.concatenate(lo)[order] if lo else start,
-                   np.concatenate(ow)[order] if ow else start)
-
-
-def _overlaps(lo: np.ndarray, hi: np.ndarray, table: RunTable) -> tuple[np.ndarray, np.ndarray]:
-    """``(item, run)`` for every run of ``table`` overlapping ``[lo[item], hi[item])``."""
-    # Runs are disjoint and sorted, so their ends are sorted too: the overlapping runs of an
-    # interval are one index range.
-    first = np.searchsorted(table.end, lo, side="right")
-    last = np.searchsorted(table.start, hi, side="left")
-    count = np.maximum(last - first, 0)
-    item = np.repeat(np.arange(lo.size), count)
-    base = np.repeat(first - (np.cumsum(count) - count), count)
-    return item, base + np.arange(item.size)
 
 
 @dataclass(frozen=True)
@@ -111,16 +52,19 @@ class Boxes:
 
 def crop(rects: BandRects, queries: RunTable, keys: RunTable) -> Boxes:
     """Every rectangle cropped to (query run x key run), tightened (see ``slices._tighten``)."""
-    rows = rects.rows
+    return _crop_rows(rects.rows, queries, keys)
+
+
+def _crop_rows(rows: np.ndarray, queries: RunTable, keys: RunTable) -> Boxes:
     b, qs, qe, ks, ke, dlo, dhi = (rows[:, i] for i in range(7))
-    item, qr = _overlaps(qs, qe, queries)
+    item, qr = overlaps(qs, qe, queries)
     b, qs, qe, ks, ke, dlo, dhi = (x[item] for x in (b, qs, qe, ks, ke, dlo, dhi))
     a = np.maximum(qs, queries.start[qr])
     e = np.minimum(qe, queries.end[qr])
     # Keys this query range can reach at all, so runs outside the band are never visited.
     lo_k = np.where(dlo > -INF, np.maximum(ks, a + dlo), ks)
     hi_k = np.where(dhi < INF, np.minimum(ke, e + dhi), ke)
-    item2, kr = _overlaps(lo_k, hi_k, keys)
+    item2, kr = overlaps(lo_k, hi_k, keys)
     b, a, e, dlo, dhi, qr = (x[item2] for x in (b, a, e, dlo, dhi, qr))
     c = np.maximum(lo_k[item2], keys.start[kr])
     f = np.minimum(hi_k[item2], keys.end[kr])
@@ -302,6 +246,43 @@ def local_pieces(rects: BandRects, q_index: Any, k_index: Any) -> list[Piece]:
     return _as_pieces(merge_full_rows(piece_rows(crop(rects, queries, keys))))
 
 
+def _both_passes(rects: BandRects, runs: RankRuns, rank: int
+                 ) -> tuple[Boxes, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Pass A's boxes (this rank's queries x every rank's keys) and pass B's ``(query owner,
+    k0, k1)`` (every other rank's queries x this rank's keys) from one crop.
+
+    Pass B's rectangles and runs are shifted past every position of pass A, so no crop mixes
+    the two passes; local rows and band bounds are differences, which the shift leaves alone.
+    One crop over both costs half the array calls of two (the calls, not the elements,
+    dominate at a few hundred rectangles).
+    """
+    key = ("both_passes", rank)
+    tables = runs.cache.get(key)
+    rows = rects.rows
+    if tables is None:
+        me, everyone, others = RunTable.split(runs, rank)
+        off = int(max(everyone.end.max(initial=0), rows[:, 1:5].max(initial=0))) + 1
+
+        def cat(a: RunTable, b: RunTable) -> RunTable:
+            return RunTable(*(np.concatenate((x, y + sh)) for x, y, sh in (
+                (a.start, b.start, off), (a.end, b.end, off), (a.local, b.local, 0),
+                (a.owner, b.owner, 0))))
+
+        tables = runs.cache[key] = (cat(me, others), cat(everyone, me), off)
+    queries, keys, off = tables
+    if rows.size and int(rows[:, 1:5].max()) >= off:  # rectangles beyond every run: unshared
+        runs.cache.pop(key)
+        return _both_passes(rects, runs, rank)
+    shifted = rows.copy()
+    shifted[:, 1:5] += off
+    boxes = _crop_rows(np.concatenate((rows, shifted)), queries, keys)
+    a = boxes.q_owner == rank
+    b = ~a
+    mine = Boxes(*(x[a] for x in (boxes.b, boxes.q_owner, boxes.k_owner, boxes.q0, boxes.q1,
+                                  boxes.k0, boxes.k1, boxes.dlo, boxes.dhi)))
+    return mine, (boxes.q_owner[b], boxes.k0[b], boxes.k1[b])
+
+
 #: Up to this many crops, pieces are cut and merged by the Python definitions of
 #: :mod:`cp_core.attention.slices`: below that numpy's per-call overhead costs more than the
 #: loop (a head-tail layout has about a dozen crops per rank).
@@ -338,16 +319,14 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     buffer coordinates, dst, send ranges)`` — what :class:`~cp_core.attention.p2p.RingStep`
     holds."""
     size = runs.size
-    me, everyone, others = RunTable.split(runs, rank)
-    mine = crop(rects, me, everyone)
+    mine, theirs = _both_passes(rects, runs, rank)
     r_owner, r_start, r_end = merged_arrays(mine.k_owner, mine.k0, mine.k1)
     recv = ranges_by_owner(r_owner, r_start, r_end)
     if mine.b.size <= _FEW_BOXES:
         local, by_src = _few_pieces(mine, rank, recv)
     else:
         local, by_src = _many_pieces(mine, rank, r_owner, r_start, r_end)
-    theirs = crop(rects, others, me) if size > 1 else None
-    send = merged_ranges(theirs.q_owner, theirs.k0, theirs.k1) if theirs is not None else {}
+    send = merged_ranges(*theirs)
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
@@ -357,6 +336,6 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     return local, steps
 
 
-__all__ = ["RunTable", "Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
+__all__ = ["Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
            "ranges_by_owner", "piece_rows",
            "split_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
