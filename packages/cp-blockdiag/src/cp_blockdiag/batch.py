@@ -14,8 +14,9 @@ the caller's batch:
   when absent (its pad-tail zeros depend on the global length, which a rank's forward cannot
   see).
 
-Document ids come from :func:`cp_core.documents.resolve_documents` (as on every backend); every rank holds
-the full batch, so each computes the same K/V route and exchange without communicating.
+Documents come from :func:`cp_core.documents.resolve_documents` (as on every backend); every
+rank holds the full batch, so each computes the same K/V route and exchange without
+communicating (:class:`cp_blockdiag.need_runs.NeedRuns`, from the documents' runs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from cp_blockdiag.routing import EXCHANGES, build_route
+from cp_blockdiag.need_runs import NeedRuns
+from cp_blockdiag.routing import EXCHANGES
 from cp_blockdiag.runtime import BlockDiagState, RoutedTransport, activate_state
 from cp_core.backend_api import (
     AttentionKind,
@@ -72,15 +74,36 @@ def _prepare(batch: Mapping[str, Any], loss_mask: torch.Tensor | None,
     return normalize_batch(work, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys), docs
 
 
+def _documents_mask_and_need(docs: Documents, length: int, cp: int, *,
+                             attention: AttentionKind, window: int | None, chunk: int | None
+                             ) -> tuple[DocumentMask, NeedRuns]:
+    """The attention mask over rows padded to ``length`` and the keys each rank needs.
+
+    With the documents' runs at hand (no caller pad) neither needs a ``[B, L]`` id tensor:
+    the fused pieces are cut from the runs and the ids are built only if a pair-by-pair path
+    reads them (the padded tail is pad, as ``docs.padded`` says). Otherwise the ids are
+    built here and read once more for their runs.
+    """
+    segments = docs.segments()
+    if segments is not None:
+        def build() -> tuple[torch.Tensor, None]:
+            # Positions within documents only when a pair-by-pair path reads them.
+            return docs.padded(length), None
+
+        mask = DocumentMask.deferred(build, attention, window, chunk, segments=docs.segments)
+        return mask, NeedRuns.from_segments(segments, cp, length)
+    ids = docs.padded(length)
+    return DocumentMask(ids, None, attention, window, chunk), NeedRuns.from_ids(ids, cp)
+
+
 def _finish(nb: Any, cp_mesh: Any, docs: Documents, out: dict[str, Any],
             layout: ShardLayout, *, exchange: str, attention: AttentionKind,
             window: int | None, chunk: int | None,
             transport_options: Mapping[str, Any] | None) -> ShardResult:
-    ids = docs.padded(int(layout.padded_seq_len or nb.seq_len))
-    # Positions within documents only when a pair-by-pair path reads them (DocumentMask
-    # derives them on first read); the fused pieces need the ids alone.
-    mask = DocumentMask(ids, None, attention, window, chunk)
-    route = build_route(ids, cp_size(cp_mesh), cp_rank(cp_mesh), exchange)
+    size = cp_size(cp_mesh)
+    mask, need = _documents_mask_and_need(docs, int(layout.padded_seq_len or nb.seq_len), size,
+                                          attention=attention, window=window, chunk=chunk)
+    route = need.route(cp_rank(cp_mesh), exchange, nb.primary.device)
     plan = make_plan(cp_mesh, layout, mask, attention=attention,
                      transport=RoutedTransport(route), options=transport_options)
     layout = dataclasses.replace(layout, extras={"exchange": route.exchange,

@@ -7,13 +7,18 @@ increasing ids (validated upstream), so only one document can straddle into a ch
 left: the smallest non-pad id of the chunk. Everything here is a pure function of the full
 document ids, which every rank holds, so all ranks compute identical routes and the same
 ``auto`` decision without communicating.
+
+These functions work on the ``[B, cp, L]`` need matrix and are the readable definitions; the
+sharder derives the same routes, decision and summaries from the documents' runs in
+O(rows x CP + documents) with :class:`cp_blockdiag.need_runs.NeedRuns`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
+import numpy as np
 import torch
 
 from cp_core.backend_api import CPAttentionError, CPConfigError
@@ -83,14 +88,15 @@ def halo_violation(need: torch.Tensor, cp: int) -> tuple[int, int, int] | None:
     return b, r, s
 
 
-def summarize(need: torch.Tensor, cp: int, exchange: str) -> TrafficSummary:
-    """Per-rank received/sent rows and message counts of one resolved exchange."""
-    bsz, _, length = need.shape
-    n = length // cp
+def traffic_summary(exchange: str, counts: np.ndarray, batch_size: int, chunk_len: int
+                    ) -> TrafficSummary:
+    """The :class:`TrafficSummary` of a resolved exchange from ``counts [cp_receiver,
+    cp_owner]`` (rows each rank needs from each owner); shared by the need-matrix definition
+    and the sharder's run-based path, so both report alike."""
+    cp = int(counts.shape[0])
     if exchange == "allgather":
-        rows = (cp - 1) * bsz * n
+        rows = (cp - 1) * batch_size * chunk_len
         return TrafficSummary(exchange, (rows,) * cp, (rows,) * cp, (1 if cp > 1 else 0,) * cp)
-    counts = _owner_counts(need, cp)
     received = tuple(int(x) for x in counts.sum(1))
     sent = tuple(int(x) for x in counts.sum(0))
     if exchange == "halo":
@@ -100,17 +106,23 @@ def summarize(need: torch.Tensor, cp: int, exchange: str) -> TrafficSummary:
     return TrafficSummary(exchange, received, sent, msgs)
 
 
-def choose_exchange(need: torch.Tensor, cp: int, requested: str = "auto") -> str:
-    """The exchange to run: ``requested`` checked for validity, or the cheapest valid one.
+def summarize(need: torch.Tensor, cp: int, exchange: str) -> TrafficSummary:
+    """Per-rank received/sent rows and message counts of one resolved exchange."""
+    bsz, _, length = need.shape
+    counts = _owner_counts(need, cp).cpu().numpy()
+    return traffic_summary(exchange, counts, bsz, length // cp)
 
-    ``auto``: the halo when valid (same rows as the all-to-all, at most one message each way);
-    otherwise the all-to-all when its busiest rank receives fewer rows than an all-gather
-    delivers; otherwise the all-gather (a well-optimised collective with no index bookkeeping).
-    Every rank evaluates this on the same full document ids, so all agree.
-    """
+
+def check_exchange(requested: str) -> None:
+    """Raise :class:`CPConfigError` unless ``requested`` is one of :data:`EXCHANGES`."""
     if requested not in EXCHANGES:
         raise CPConfigError(f"exchange must be one of {list(EXCHANGES)}, got {requested!r}")
-    violation = halo_violation(need, cp)
+
+
+def resolve_exchange(requested: str, violation: tuple[int, int, int] | None,
+                     summary: Callable[[str], TrafficSummary]) -> str:
+    """The decision of :func:`choose_exchange` from the halo violation and the traffic
+    summaries of the batch (however they were computed)."""
     if requested == "halo" and violation is not None:
         b, r, s = violation
         raise CPAttentionError(
@@ -122,9 +134,22 @@ def choose_exchange(need: torch.Tensor, cp: int, requested: str = "auto") -> str
         return requested
     if violation is None:
         return "halo"
-    a2a = summarize(need, cp, "a2a").max_received
-    gather = summarize(need, cp, "allgather").max_received
+    a2a = summary("a2a").max_received
+    gather = summary("allgather").max_received
     return "a2a" if a2a < gather else "allgather"
+
+
+def choose_exchange(need: torch.Tensor, cp: int, requested: str = "auto") -> str:
+    """The exchange to run: ``requested`` checked for validity, or the cheapest valid one.
+
+    ``auto``: the halo when valid (same rows as the all-to-all, at most one message each way);
+    otherwise the all-to-all when its busiest rank receives fewer rows than an all-gather
+    delivers; otherwise the all-gather (a well-optimised collective with no index bookkeeping).
+    Every rank evaluates this on the same full document ids, so all agree.
+    """
+    check_exchange(requested)
+    return resolve_exchange(requested, halo_violation(need, cp),
+                            lambda exchange: summarize(need, cp, exchange))
 
 
 @dataclass(frozen=True)
@@ -163,7 +188,9 @@ class KVRoute:
 
 def build_route(doc_ids: torch.Tensor, cp: int, rank: int, requested: str = "auto",
                 need: torch.Tensor | None = None) -> KVRoute:
-    """This rank's route for the exchange chosen by :func:`choose_exchange`."""
+    """This rank's route for the exchange chosen by :func:`choose_exchange`, from the need
+    matrix (the definition; the sharder builds the same with
+    :meth:`cp_blockdiag.need_runs.NeedRuns.route`)."""
     bsz, length = doc_ids.shape
     n = length // cp
     if need is None:
@@ -196,7 +223,10 @@ __all__ = [
     "need_matrix",
     "halo_violation",
     "TrafficSummary",
+    "traffic_summary",
     "summarize",
+    "check_exchange",
+    "resolve_exchange",
     "choose_exchange",
     "KVRoute",
     "build_route",
