@@ -25,12 +25,13 @@ per-rank work, mean and worst over the rows. Prints a table and writes JSON::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,14 +72,25 @@ def ptrr_solver() -> Solver | None:
 
 
 def baseline_solver(rev: str) -> Solver:
-    """cp-magi's solver module as of git revision ``rev`` (it needs numpy and cp_core only)."""
-    path = "packages/cp-magi/src/cp_magi/solver.py"
+    """cp-magi's solver as of git revision ``rev``: every ``solver*.py`` module of the package
+    at that revision (they need numpy and cp_core only), written to a temporary package whose
+    imports of each other are renamed, so the baseline never mixes with today's modules."""
     root = Path(__file__).resolve().parents[2]
-    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
-                         capture_output=True, text=True).stdout
-    mod = types.ModuleType("cp_magi_solver_baseline")
-    sys.modules[mod.__name__] = mod  # dataclasses look their module up
-    exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)  # noqa: S102 - our own file
+    pkg = "packages/cp-magi/src/cp_magi"
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, f"{pkg}/"], cwd=root,
+                           check=True, capture_output=True, text=True).stdout.split()
+    name = f"cp_magi_baseline_{rev}".replace("-", "_").replace(".", "_")
+    where = Path(tempfile.mkdtemp(prefix="magi_baseline_")) / name
+    where.mkdir()
+    (where / "__init__.py").write_text("")
+    for path in names:
+        file = Path(path).name
+        if file.startswith("solver") and file.endswith(".py"):
+            src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
+                                 capture_output=True, text=True).stdout
+            (where / file).write_text(src.replace("cp_magi.solver", f"{name}.solver"))
+    sys.path.insert(0, str(where.parent))
+    mod = importlib.import_module(f"{name}.solver")
     return lambda w, cp: mod.solve(w, cp).loads
 
 

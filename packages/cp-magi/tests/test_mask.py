@@ -167,3 +167,14 @@ def test_large_document_mask_area_is_fast_and_exact() -> None:
     assert w.sum() == m.total_area()
     # Chunk 0 is the first 1024 rows of document 0: 1 + 2 + ... + 1024.
     assert w[0] == 1024 * 1025 // 2
+
+
+def test_type_codes_as_an_array_equal_names() -> None:
+    q = [[0, 4], [4, 8], [8, 12], [12, 16]]
+    names = ["full", "causal", "inv_causal", "bi_causal"]
+    by_name = AttnRectangles.from_lists(q, q, names, 16)
+    by_code = AttnRectangles.from_lists(q, q, np.arange(4), 16)
+    np.testing.assert_array_equal(by_code.types, by_name.types)
+    assert by_code.types.dtype == np.int64
+    with pytest.raises(CPConfigError, match="unknown attention mask type 7"):
+        AttnRectangles.from_lists(q, q, np.array([0, 1, 7, 2]), 16)

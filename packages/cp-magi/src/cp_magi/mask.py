@@ -62,12 +62,20 @@ class AttnRectangles:
 
     @classmethod
     def from_lists(cls, q_ranges: Sequence[Sequence[int]], k_ranges: Sequence[Sequence[int]],
-                   types: Sequence[int | str], seq_len: int, *, check_overlap: bool = True
-                   ) -> "AttnRectangles":
-        """Build and validate a mask (ranges non-empty, inside the stream, no double cover)."""
+                   types: Sequence[int | str] | np.ndarray, seq_len: int, *,
+                   check_overlap: bool = True) -> "AttnRectangles":
+        """Build and validate a mask (ranges non-empty, inside the stream, no double cover).
+        ``types`` are names or codes of :data:`MASK_TYPES`, or an int array of codes."""
         q = np.asarray(q_ranges, dtype=np.int64).reshape(-1, 2)
         k = np.asarray(k_ranges, dtype=np.int64).reshape(-1, 2)
-        t = np.asarray([_type_code(x) for x in types], dtype=np.int64)
+        if isinstance(types, np.ndarray) and np.issubdtype(types.dtype, np.integer):
+            # Codes already: one range check instead of a Python call per rectangle.
+            t = types.astype(np.int64).reshape(-1)
+            bad = np.nonzero((t < 0) | (t >= len(MASK_TYPES)))[0]
+            if bad.size:
+                _type_code(int(t[bad[0]]))  # raises with the usual message
+        else:
+            t = np.asarray([_type_code(x) for x in types], dtype=np.int64)
         if not (len(q) == len(k) == len(t)):
             raise CPBatchError(
                 f"mask has {len(q)} q_ranges, {len(k)} k_ranges and {len(t)} types; expected "

@@ -74,7 +74,7 @@ def _sorted(q: np.ndarray, k: np.ndarray, t: np.ndarray, seq_len: int,
             check_overlap: bool) -> AttnRectangles:
     # Order rectangles by (q start, k start) so equal masks are equal objects.
     order = np.lexsort((k[:, 0], q[:, 0]))
-    return AttnRectangles.from_lists(q[order], k[order], t[order].tolist(), seq_len,
+    return AttnRectangles.from_lists(q[order], k[order], np.asarray(t)[order], seq_len,
                                      check_overlap=check_overlap)
 
 

@@ -236,7 +236,10 @@ def shard_batch_magi(
     layout = ShardLayout(
         local_token_global_indices=local, original_seq_len=stream_len, padded_seq_len=padded,
         input_row_shape=(bsz, seq),
-        input_token_stream_positions=torch.arange(stream_len, device=device).view(bsz, seq),
+        # Every caller token keeps its stream position; a function, so the O(S) map is only
+        # built when a token verb reads it.
+        input_token_stream_positions=lambda: torch.arange(stream_len, device=device).view(
+            bsz, seq),
         rank_runs=rank_runs, pad_multiple=per_rank_divisor(size, csize), cp_rank=rank,
         cp_size=size,
         extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},

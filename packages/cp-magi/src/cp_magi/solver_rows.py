@@ -139,11 +139,17 @@ def _best_subset(wgrid: np.ndarray, loads: np.ndarray, a: int) -> tuple[np.ndarr
     return None if best is None else (best[1], best[2])
 
 
+@lru_cache(maxsize=8)
+def _row_pairs(n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.triu_indices(n_rows, 1)``, kept: it costs tens of microseconds per exchange move."""
+    return np.triu_indices(n_rows, 1)
+
+
 def _best_two_rows(wgrid: np.ndarray, loads: np.ndarray, a: int, partners: np.ndarray
                    ) -> tuple[np.ndarray, int] | None:
     """The swap of two rows at once between ``a`` and one of ``partners`` that lowers the
     pair's maximum the most: ``(rows, partner)``, or None."""
-    i, j = np.triu_indices(wgrid.shape[0], 1)
+    i, j = _row_pairs(wgrid.shape[0])
     la = loads[a]
     d1 = wgrid[:, a:a + 1] - wgrid[:, partners]  # [rows, partners]
     d = d1[i] + d1[j]  # [pairs, partners]
@@ -162,8 +168,14 @@ def _best_two_rows(wgrid: np.ndarray, loads: np.ndarray, a: int, partners: np.nd
 CROSS_TABLE_MAX = 1 << 18
 
 
-def _best_cross_swap(wgrid: np.ndarray, row_class: np.ndarray, loads: np.ndarray, a: int,
-                     partners: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
+def _class_rows(row_class: np.ndarray) -> list[np.ndarray]:
+    """The rows of every class, classes ascending (what a cross swap may exchange)."""
+    return [np.nonzero(row_class == c)[0] for c in np.unique(row_class).tolist()]
+
+
+def _best_cross_swap(wgrid: np.ndarray, class_rows: list[np.ndarray], loads: np.ndarray,
+                     a: int, partners: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, int] | None:
     """The best 1-1 swap between any two slots of one class (not only one row) of ``a`` and
     one of ``partners``: ``(row of a, row of b, partner)``, or None.
 
@@ -171,8 +183,7 @@ def _best_cross_swap(wgrid: np.ndarray, row_class: np.ndarray, loads: np.ndarray
     partner, a sorted search (the ``d`` nearest half the gap is the best one there)."""
     la = loads[a]
     best: tuple[float, int, int, int] | None = None
-    for c in np.unique(row_class).tolist():
-        rows = np.nonzero(row_class == c)[0]
+    for rows in class_rows:
         va = wgrid[rows, a]
         if rows.size * rows.size * partners.size <= CROSS_TABLE_MAX:
             vb = wgrid[np.ix_(rows, partners)]  # [rows, partners]
@@ -268,6 +279,7 @@ def exchange(w: np.ndarray, grid: np.ndarray, loads: np.ndarray, row_class: np.n
     wgrid = w[grid]
     cp = loads.size
     all_ranks = np.arange(cp)
+    class_rows = _class_rows(row_class)
     _paired_rounds(wgrid, grid, loads, target, PAIRED_ROUNDS)
     for _ in range(max_iters):
         a = int(np.argmax(loads))  # first maximum
@@ -285,7 +297,7 @@ def exchange(w: np.ndarray, grid: np.ndarray, loads: np.ndarray, row_class: np.n
             # high by its row slots, e.g. one huge chunk plus one chunk of every large row):
             # swaps across rows of a class can move chunks of any size.
             light = np.lexsort((all_ranks, loads))[:PAIR_PARTNERS + 1]
-            cross = _best_cross_swap(wgrid, row_class, loads, a, light[light != a])
+            cross = _best_cross_swap(wgrid, class_rows, loads, a, light[light != a])
             if cross is not None and move is not None:
                 row, b = move
                 la, lb = loads[a], loads[b]

@@ -10,10 +10,9 @@ its fast row phase (:mod:`cp_magi.solver_rows`) leaves above the target.
 from __future__ import annotations
 
 import heapq
-from functools import lru_cache
-from itertools import combinations
-
 import numpy as np
+
+from cp_magi.solver_pairs import exact_move, half_table
 
 #: Pairs of ranks holding at most this many chunks each are repartitioned exactly.
 PAIR_EXACT_MAX_PER_RANK = 8
@@ -53,17 +52,6 @@ def balanced_differencing(w: np.ndarray, cp: int) -> np.ndarray:
 # -- local search --------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=16)
-def _equal_splits(k: int) -> np.ndarray:
-    """Every way to take ``k`` of ``2k`` items that contains item 0 (the complement is the
-    other half), as a ``[C(2k-1, k-1), 2k]`` 0/1 matrix in lexicographic order."""
-    rows = [(0,) + c for c in combinations(range(1, 2 * k), k - 1)]
-    out = np.zeros((len(rows), 2 * k), dtype=np.float64)
-    for i, c in enumerate(rows):
-        out[i, list(c)] = 1
-    return out
-
-
 def _pair_move(w: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, la: float, lb: float,
                deep: bool) -> tuple[float, np.ndarray, np.ndarray] | None:
     """Best repartition of ranks A and B (load ``la`` > ``lb``) that lowers ``max(la, lb)``.
@@ -71,6 +59,8 @@ def _pair_move(w: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, la: float, l
     ``deep=False`` tries single 1-1 swaps only (cheap); ``deep=True`` repartitions exactly
     when each rank holds at most :data:`PAIR_EXACT_MAX_PER_RANK` chunks, else tries 2-2 swaps.
     Returns ``(new_max, new_a_ids, new_b_ids)`` or None when nothing improves.
+
+    The exact repartition is :func:`cp_magi.solver_pairs.exact_move` (the first best split).
     """
     k = a_ids.size
     if k == 0:
@@ -78,19 +68,8 @@ def _pair_move(w: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, la: float, l
     if not deep:
         return _swap_move(w, a_ids, b_ids, la, lb, pairs=False)
     if k <= PAIR_EXACT_MAX_PER_RANK:
-        ids = np.concatenate([a_ids, b_ids])
-        splits = _equal_splits(k)
-        # float64 matmul (BLAS) is exact for integer sums below 2**53.
-        side = splits @ w[ids].astype(np.float64)
-        if w.dtype == np.int64:
-            side = side.astype(np.int64)
-        total = la + lb
-        new_max = np.maximum(side, total - side)
-        best = int(np.argmin(new_max))  # first minimum: deterministic
-        if new_max[best] >= la:
-            return None
-        pick = splits[best].astype(bool)
-        return float(new_max[best]), np.sort(ids[pick]), np.sort(ids[~pick])
+        return exact_move(w, a_ids, b_ids, la, lb, half_table(w, a_ids, la, True),
+                          half_table(w, b_ids, lb, False))
     return _swap_move(w, a_ids, b_ids, la, lb, pairs=True)
 
 
@@ -143,26 +122,47 @@ def local_search(w: np.ndarray, cp: int, chunk_rank: np.ndarray, target: float,
     """Improve ``chunk_rank`` by pairwise exchanges with the most loaded rank until its load
     is at most ``target``, no exchange helps, or ``max_iters`` moves were made."""
     k = w.size // cp
-    members = [np.sort(np.nonzero(chunk_rank == r)[0]) for r in range(cp)]
-    loads = np.array([w[m].sum() for m in members], dtype=w.dtype)
+    # Ranks' chunk ids ascending: one stable sort by rank instead of cp scans.
+    by_rank = np.argsort(chunk_rank, kind="stable")
+    counts = np.bincount(chunk_rank, minlength=cp)
+    members = np.split(by_rank, np.cumsum(counts)[:-1].tolist())
+    # Loads as Python numbers (exact ints for integer workloads): at the CP sizes this search
+    # runs for, list scans cost less than numpy calls on arrays of a few elements.
+    loads = [w[m].sum().item() for m in members]
+    ranks = range(cp)
+    # Small ranks go straight to the exact repartition (it contains every 1-1 swap).
+    exact = 0 < k <= PAIR_EXACT_MAX_PER_RANK
+    half_a: list[np.ndarray | None] = [None] * cp
+    half_b: list[np.ndarray | None] = [None] * cp
     for _ in range(max_iters):
-        a = int(np.argmax(loads))  # first maximum
-        if loads[a] <= target or k == 0:
+        a = max(ranks, key=loads.__getitem__)  # first maximum
+        la = loads[a]
+        if la <= target or k == 0:
             break
         moved = False
-        # The least loaded ranks first, and only the lightest few: at large CP a full scan of
-        # exact repartitions costs milliseconds per move and rarely finds more.
-        order = np.lexsort((np.arange(cp), loads))
-        # Array selection: at cp=128 a Python scan of numpy scalars cost ~25 us per move.
-        partners = order[(order != a) & (loads[order] < loads[a])][:SEARCH_PARTNERS].tolist()
-        # Cheap 1-1 swaps with every partner first, the deeper neighbourhood only if they fail;
-        # small ranks go straight to the exact repartition (it contains every 1-1 swap).
-        for deep in ((True,) if k <= PAIR_EXACT_MAX_PER_RANK else (False, True)):
+        # The least loaded ranks first (ties by rank id), and only the lightest few: at large
+        # CP a full scan of exact repartitions costs milliseconds per move and rarely finds
+        # more.
+        order = sorted(ranks, key=lambda r: (loads[r], r))
+        partners = [r for r in order if r != a and loads[r] < la][:SEARCH_PARTNERS]
+        # Cheap 1-1 swaps with every partner first, the deeper neighbourhood only if they fail.
+        for deep in ((True,) if exact else (False, True)):
             for b in partners:
-                move = _pair_move(w, members[a], members[b], loads[a], loads[b], deep)
+                if exact:
+                    # The halves of the exact move, per rank and role: kept until the rank
+                    # moves (the light partners are tried again and again).
+                    if half_a[a] is None:
+                        half_a[a] = half_table(w, members[a], la, True)
+                    if half_b[b] is None:
+                        half_b[b] = half_table(w, members[b], loads[b], False)
+                    move = exact_move(w, members[a], members[b], la, loads[b], half_a[a],
+                                      half_b[b])
+                else:
+                    move = _pair_move(w, members[a], members[b], la, loads[b], deep)
                 if move is not None:
                     _, members[a], members[b] = move
-                    loads[a], loads[b] = w[members[a]].sum(), w[members[b]].sum()
+                    loads[a], loads[b] = w[members[a]].sum().item(), w[members[b]].sum().item()
+                    half_a[a] = half_a[b] = half_b[a] = half_b[b] = None
                     moved = True
                     break
             if moved:
