@@ -32,6 +32,8 @@ import numpy as np
 
 #: Rows placed greedily by load before the snake takes over (they hold the largest chunks).
 GREEDY_ROWS = 64
+#: Up to this CP size the greedy rows are placed with Python lists, above it with numpy.
+PY_GREEDY_MAX_CP = 32
 #: Row-subset exchanges are enumerated (``2**rows`` subsets) up to this many rows.
 SUBSET_MAX_ROWS = 12
 #: Two-row exchanges are tried (``rows**2 / 2`` pairs) up to this many rows, against the
@@ -80,10 +82,23 @@ def construct(w: np.ndarray, cp: int, rows: np.ndarray) -> tuple[np.ndarray, np.
     grid = np.empty_like(rows)
     loads = np.zeros(cp, dtype=w.dtype)
     head = min(n_rows, GREEDY_ROWS)
-    for i in range(head):
-        lightest = np.argsort(loads, kind="stable")  # ties to the lower rank id
-        grid[i, lightest] = rows[i]
-        loads[lightest] += w[rows[i]]
+    if cp <= PY_GREEDY_MAX_CP:
+        # Few ranks: Python lists beat numpy calls on arrays of a few elements (same
+        # order: a stable sort, ties to the lower rank id; the same sums, in the same order).
+        acc = [0] * cp if w.dtype == np.int64 else [0.0] * cp
+        ranks = range(cp)
+        values = w[rows[:head]].tolist()
+        for i in range(head):
+            lightest = sorted(ranks, key=acc.__getitem__)
+            grid[i, lightest] = rows[i]
+            for r, v in zip(lightest, values[i]):
+                acc[r] += v
+        loads[:] = acc
+    else:
+        for i in range(head):
+            lightest = np.argsort(loads, kind="stable")  # ties to the lower rank id
+            grid[i, lightest] = rows[i]
+            loads[lightest] += w[rows[i]]
     if head < n_rows:
         lightest = np.argsort(loads, kind="stable")
         rest = rows[head:]
@@ -226,7 +241,7 @@ def _paired_rounds(wgrid: np.ndarray, grid: np.ndarray, loads: np.ndarray, targe
     for _ in range(rounds):
         if loads.max() <= target:
             return
-        order = np.lexsort((np.arange(cp), loads))  # ascending load, ties by rank
+        order = np.argsort(loads, kind="stable")  # ascending load, ties by rank
         light, heavy = order[half], order[cp - 1 - half]
         d = wgrid[:, heavy] - wgrid[:, light]  # [rows, pairs]
         lh, ll = loads[heavy], loads[light]
@@ -243,9 +258,10 @@ def _paired_rounds(wgrid: np.ndarray, grid: np.ndarray, loads: np.ndarray, targe
             return
         if subsets is not None:
             mask = subsets[pick].T.astype(bool) & take[None, :]  # [rows, pairs]
+            r, j = np.nonzero(mask)
         else:
-            mask = (np.arange(n_rows)[:, None] == pick[None, :]) & take[None, :]
-        r, j = np.nonzero(mask)
+            j = half[take]  # one row per pair: no mask to scan
+            r = pick[j]
         h, li = heavy[j], light[j]
         moved = np.bincount(j, weights=d[r, j].astype(np.float64), minlength=half.size)
         moved = moved.astype(loads.dtype)
