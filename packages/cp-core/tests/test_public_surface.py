@@ -34,7 +34,7 @@ EXPECTED_BACKEND_API = {
     "activate_plan", "active_plan", "allgather_sdpa", "blocked_attention", "build_document_mask",
     "check_local_shapes", "contiguous_divisor", "contiguous_local_indices", "cp_group",
     "cp_rank", "cp_rank_pool", "cp_size", "differentiable_all_gather", "document_positions",
-    "fused_attention", "gather_kv", "identity_local_indices", "index_runs", "lcm", "make_plan",
+    "fused_attention", "fused_schedule", "gather_kv", "identity_local_indices", "index_runs", "lcm", "make_plan",
     "make_transport_ctx", "normalize_batch", "resolve_primary", "normalize_with_documents",
     "pad_position_ids",
     "pad_seq_dim", "pad_value_for", "peer_failures", "per_chunk_multiple", "per_rank_divisor",

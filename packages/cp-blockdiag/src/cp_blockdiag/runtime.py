@@ -27,6 +27,7 @@ from cp_core.backend_api import (
     blocked_attention,
     check_local_shapes,
     fused_attention,
+    fused_schedule,
     resolve_causal,
 )
 
@@ -63,24 +64,34 @@ def activate_state(state: BlockDiagState, *, intercept: bool = True) -> Iterator
             yield state
 
 
+def _key_index(plan: AttentionPlan, route: KVRoute, extra: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+    """Global positions of the keys the exchange leaves on this rank, in buffer order: every
+    rank's (all-gather), or the received extra keys followed by this rank's own."""
+    q_index = plan.q_index.to(device)
+    if route.exchange == "allgather" and plan.cp_size > 1:
+        return plan.rank_indices.reshape(-1).to(device)
+    return torch.cat([extra.to(device), q_index]) if extra is not None else q_index
+
+
+def _cache_key(route: KVRoute) -> str:
+    return f"blockdiag:{route.exchange}"
+
+
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockDiagState,
                      scale: float | None) -> torch.Tensor:
     plan, route = state.plan, state.route
     group = plan.group if plan.cp_size > 1 else None
     k_all, v_all, extra = exchange_kv(k, v, route, group)
     q_index = plan.q_index.to(q.device)
-    if route.exchange == "allgather" and plan.cp_size > 1:
-        k_index = plan.rank_indices.reshape(-1).to(q.device)
-    else:
-        k_index = torch.cat([extra.to(q.device), q_index]) if extra is not None else q_index
+    k_index = _key_index(plan, route, extra, q.device)
     if plan.options.transport == "allgather":
         # The reference kernel, kept selectable (cp.transport=allgather) for comparison.
         budget = int(plan.options.block_budget_bytes or DEFAULT_BLOCK_BUDGET_BYTES)
         return blocked_attention(q, k_all, v_all, q_index, k_index, plan.mask, scale=scale,
                                  block_budget_bytes=budget)
     # The exchanged keys feed cp-core's fused pieces (the same K/V index for every layer).
-    return fused_attention(q, k_all, v_all, plan, k_index, scale,
-                           cache_key=f"blockdiag:{route.exchange}")
+    return fused_attention(q, k_all, v_all, plan, k_index, scale, cache_key=_cache_key(route))
 
 
 def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
@@ -112,6 +123,17 @@ class RoutedTransport:
     K/V route bound to it (a typed record, not an entry of the plan's option bag)."""
 
     route: KVRoute
+
+    def prepare(self, plan: AttentionPlan) -> None:
+        """Build the step's fused pieces when the context is entered (host work before the
+        forward, once per step; every layer reuses them). The keys' positions are known
+        before any exchange: the route names the extra keys."""
+        if plan.options.transport == "allgather":
+            return  # the reference kernel reads the mask pair by pair: nothing to build
+        route = self.route
+        extra = route.extra_index if route.exchange != "allgather" and route.num_extra else None
+        device = plan.q_index.device
+        fused_schedule(plan, _key_index(plan, route, extra, device), _cache_key(route))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                  **sdpa_kwargs: Any) -> torch.Tensor:

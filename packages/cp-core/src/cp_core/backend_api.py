@@ -32,7 +32,7 @@ from typing import Any
 
 from cp_core.attention.intercept import activate_plan, active_plan
 from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
-from cp_core.attention.p2p import fused_attention
+from cp_core.attention.p2p import fused_attention, fused_schedule
 from cp_core.attention.plan import (
     ATTENTION_KINDS,
     AttentionKind,
@@ -137,7 +137,7 @@ __all__ = [
     "make_plan", "make_transport_ctx", "activate_plan", "active_plan",
     # transport building blocks
     "allgather_sdpa", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
-    "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "BandRects", "INF", "real_keys_only",
+    "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
     "peer_failures",
     # errors

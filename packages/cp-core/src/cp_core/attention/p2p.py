@@ -296,16 +296,13 @@ def p2p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
     return _P2PAttention.apply(q, k, v, sched, kernel, s, group)
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                    k_index: torch.Tensor, scale: float | None, cache_key: str = "fused"
-                    ) -> torch.Tensor:
-    """Attention of ``q`` (the plan's local queries) over keys already on this rank whose
-    global positions are ``k_index``, with the fused pieces of the plan's mask.
+def fused_schedule(plan: AttentionPlan, k_index: torch.Tensor, cache_key: str = "fused"
+                   ) -> P2PSchedule:
+    """The fused pieces of the plan's local queries over keys on this rank at global
+    positions ``k_index`` (built once per plan and ``cache_key``, then reused by every layer).
 
-    For a backend that moves K/V itself (blockdiag's exchanges): differentiable, with the
-    gradients of ``k``/``v`` flowing back through whatever produced them. The pieces are built
-    on the first call of a step and reused by its other layers (cached on the plan under
-    ``cache_key``).
+    A backend that moves K/V itself calls this from its transport's ``prepare(plan)`` hook, so
+    the host work is done when the step's context is entered, before the forward.
     """
     sched = plan.cache.get(cache_key)
     if sched is None:
@@ -314,10 +311,25 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Att
             raise ValueError(f"{type(plan.mask).__name__} has no attention_rects()")
         sched = P2PSchedule(0, 1, local_pieces(rects, plan.q_index, k_index), [])
         plan.cache[cache_key] = sched
+    return sched
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                    k_index: torch.Tensor, scale: float | None, cache_key: str = "fused"
+                    ) -> torch.Tensor:
+    """Attention of ``q`` (the plan's local queries) over keys already on this rank whose
+    global positions are ``k_index``, with the fused pieces of the plan's mask.
+
+    For a backend that moves K/V itself (blockdiag's exchanges): differentiable, with the
+    gradients of ``k``/``v`` flowing back through whatever produced them. The pieces are
+    :func:`fused_schedule`'s (built on the first call of a step unless the backend built them
+    when the context was entered).
+    """
+    sched = fused_schedule(plan, k_index, cache_key)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _P2PAttention.apply(q, k, v, sched, kernel_for(q.device), s, None)
 
 
 __all__ = ["P2PSchedule", "RingStep", "build_schedule", "rank_runs", "schedule_for",
            "schedule_from_runs",
-           "plan_rects", "p2p_attention", "fused_attention"]
+           "plan_rects", "p2p_attention", "fused_schedule", "fused_attention"]
