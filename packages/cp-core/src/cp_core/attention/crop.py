@@ -276,11 +276,12 @@ def _both_passes(rects: BandRects, runs: RankRuns, rank: int
     shifted = rows.copy()
     shifted[:, 1:5] += off
     boxes = _crop_rows(np.concatenate((rows, shifted)), queries, keys)
-    a = boxes.q_owner == rank
-    b = ~a
-    mine = Boxes(*(x[a] for x in (boxes.b, boxes.q_owner, boxes.k_owner, boxes.q0, boxes.q1,
-                                  boxes.k0, boxes.k1, boxes.dlo, boxes.dhi)))
-    return mine, (boxes.q_owner[b], boxes.k0[b], boxes.k1[b])
+    # Crops come out in rectangle order, so pass A's (the first copy's) come first: a cut,
+    # not a selection.
+    n = int(np.count_nonzero(boxes.q_owner == rank))
+    mine = Boxes(*(x[:n] for x in (boxes.b, boxes.q_owner, boxes.k_owner, boxes.q0, boxes.q1,
+                                   boxes.k0, boxes.k1, boxes.dlo, boxes.dhi)))
+    return mine, (boxes.q_owner[n:], boxes.k0[n:], boxes.k1[n:])
 
 
 #: Up to this many crops, pieces are cut and merged by the Python definitions of

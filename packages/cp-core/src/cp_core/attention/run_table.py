@@ -62,7 +62,8 @@ class RunTable:
 
 
 def overlaps(lo: np.ndarray, hi: np.ndarray, table: RunTable) -> tuple[np.ndarray, np.ndarray]:
-    """``(item, run)`` for every run of ``table`` overlapping ``[lo[item], hi[item])``."""
+    """``(item, run)`` for every run of ``table`` overlapping ``[lo[item], hi[item])``, item
+    by item in order (callers rely on it: a crop's boxes come in rectangle order)."""
     # Runs are disjoint and sorted, so their ends are sorted too: the overlapping runs of an
     # interval are one index range.
     first = np.searchsorted(table.end, lo, side="right")
