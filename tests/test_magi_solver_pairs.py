@@ -137,3 +137,17 @@ def test_local_search_matches_the_array_loop(cp: int) -> None:
         want = reference_search(w, cp, start, 0.0, 8 * w.size)
         np.testing.assert_array_equal(got, want)
         assert np.bincount(got, minlength=cp).tolist() == [k] * cp
+
+
+def test_local_search_with_large_ranks_swaps_without_losing_chunks() -> None:
+    # Above 8 chunks per rank the search swaps 1-1, then 2-2: never worse than its start,
+    # every rank keeps its count, and on this spread it does improve.
+    rng = np.random.default_rng(3)
+    cp, k = 4, 12
+    w = rng.integers(1, 10**6, cp * k).astype(np.int64)
+    start = np.repeat(np.arange(cp), k)  # chunk ids in order: an unbalanced start
+    got = local_search(w, cp, start, 0.0, 8 * w.size)
+    assert np.bincount(got, minlength=cp).tolist() == [k] * cp
+    before = np.bincount(start, weights=w, minlength=cp).max()
+    after = np.bincount(got, weights=w, minlength=cp).max()
+    assert after < before
