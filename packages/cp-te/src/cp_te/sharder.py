@@ -42,7 +42,7 @@ from cp_core.backend_api import (
     thd_document_divisor,
     without_document_keys,
 )
-from cp_te.partition import partition_rank_runs
+from cp_te.local_slots import HostStream, LocalSlots, all_rank_runs, local_slots
 from cp_te.stream import ThdStream, segments_from_document_ids, segments_from_runs
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
 
@@ -59,14 +59,14 @@ def _slot_mask(mask: torch.Tensor, ndim: int, dim: int) -> torch.Tensor:
     return mask.view(view)
 
 
-def _map_rows(t: torch.Tensor, seq_dim: int, src: torch.Tensor, added: torch.Tensor,
-              fill: Any) -> torch.Tensor:
-    """Flatten ``t``'s (batch, seq) dims and keep the caller tokens ``src`` of the local slots;
+def _map_rows(t: torch.Tensor, seq_dim: int, slots: LocalSlots, fill: Any) -> torch.Tensor:
+    """Flatten ``t``'s (batch, seq) dims and keep the caller tokens behind the local slots;
     slots the layout added get ``fill``. Differentiable in ``t``."""
     flat = t.flatten(seq_dim - 1, seq_dim)
-    local = flat.index_select(seq_dim - 1, src)
-    if bool(added.any()):
-        local = local.masked_fill(_slot_mask(added, local.dim(), seq_dim - 1), fill)
+    local = flat.index_select(seq_dim - 1, slots.source)
+    if slots.added is not None:
+        # In place on the fresh index_select output: only the added slots are written.
+        local.index_fill_(seq_dim - 1, slots.added, fill)
     return local
 
 
@@ -83,14 +83,16 @@ def document_segments(batch: Mapping[str, Any], sentinel: int = DEFAULT_SENTINEL
     return docs, segments_from_document_ids(docs.ids)
 
 
-def _local_positions(nb_pos: torch.Tensor, seq_dim: int, stream: ThdStream,
-                     seg: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def _local_positions(nb_pos: torch.Tensor, seq_dim: int, slots: LocalSlots) -> torch.Tensor:
     """The normalised positions (the caller's, or each row's arange: cp-core's one rule)
     carried into the stream, continuing from a document's last token through its pad."""
-    token, steps = stream.last_caller_token(seg, offset)
     flat = nb_pos.flatten(seq_dim - 1, seq_dim)
-    local = flat.index_select(seq_dim - 1, token)
-    return local + _slot_mask(steps, local.dim(), seq_dim - 1).to(local.dtype)
+    local = flat.index_select(seq_dim - 1, slots.source)
+    if slots.added is not None:
+        last = flat.index_select(seq_dim - 1, slots.added_last)
+        steps = _slot_mask(slots.added_steps, last.dim(), seq_dim - 1).to(last.dtype)
+        local.index_copy_(seq_dim - 1, slots.added, last + steps)
+    return local
 
 
 def _stream_document_mask(stream: ThdStream, positions: Callable[[], torch.Tensor],
@@ -145,8 +147,16 @@ def plan_stream(segments: Segments, cp: int, chunk_multiple: int = 1
                 ) -> tuple[ThdStream, RankRuns]:
     """The padded stream of ``segments`` and every rank's partition as runs, O(documents x
     cp): what a rank needs to know about the others without listing their tokens."""
-    stream = ThdStream.build(segments, thd_document_divisor(cp, chunk_multiple))
-    return stream, partition_rank_runs(stream.cu_seqlens_padded(), cp)
+    stream, _, rank_runs = _plan_host(segments, cp, chunk_multiple)
+    return stream, rank_runs
+
+
+def _plan_host(segments: Segments, cp: int, chunk_multiple: int
+               ) -> tuple[ThdStream, HostStream, RankRuns]:
+    # The layout is computed once on the host (O(documents) numpy) and shared by the stream's
+    # tensors, the partition's runs and this rank's slots.
+    host = HostStream.build(segments, thd_document_divisor(cp, chunk_multiple))
+    return host.thd_stream(segments), host, all_rank_runs(host, cp)
 
 
 def shard_batch_thd(
@@ -173,7 +183,10 @@ def shard_batch_thd(
     docs, segments = document_segments(batch, seq_lens_sentinel)
     bsz, seq = segments.batch_size, segments.seq_len
     te_on = te_path_active(use_te, segments.length.device)  # use_te=always may refuse
-    if te_on and int(segments.length.sum()) != int((~docs.pad).sum()):
+    # Documents known as runs have no pad inside any row, so no hole: only other sources
+    # need the per-token count.
+    if te_on and docs.segments() is None and \
+            int(segments.length.sum()) != int((~docs.pad).sum()):
         # TE's kernel attends every token inside a document's cu_seqlens range, pad holes too;
         # the cp-core transport masks them.
         if use_te == "always":
@@ -189,12 +202,10 @@ def shard_batch_thd(
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
     multiple = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
                                   sequence_parallel=sequence_parallel, block_size=block_size)
-    stream, rank_runs = plan_stream(segments, size, multiple)
-    local = rank_runs.local_indices(rank, segments.length.device)  # only this rank's tokens
-    seg, offset = stream.locate(local)
-    src = stream.caller_source(seg, offset)
-    added = src < 0
-    src = src.clamp(min=0)
+    stream, host, rank_runs = _plan_host(segments, size, multiple)
+    device = segments.length.device
+    slots = local_slots(host, size, rank, device)  # only this rank's tokens
+    local = slots.stream
 
     out = {k: v for k, v in nb.batch.items() if k not in nb.seq_dims}
     for key, dim in nb.seq_dims.items():
@@ -207,19 +218,16 @@ def shard_batch_thd(
                 f"its sequence dim {dim} must follow the batch dim of size {bsz}"
             )
         fill = pad_value_for(key, t, padding_token_id, extra_pad_values)
-        out[key] = _map_rows(t, dim, src, added, fill)
+        out[key] = _map_rows(t, dim, slots, fill)
     pos_dim = nb.seq_dims["position_ids"]
-    out["position_ids"] = _local_positions(nb.batch["position_ids"], pos_dim, stream, seg,
-                                           offset)
+    out["position_ids"] = _local_positions(nb.batch["position_ids"], pos_dim, slots)
     caller_pad = nb.batch.get("padding_mask")
-    boundary_pad = offset >= segments.length[seg]
-    out["padding_mask"] = boundary_pad if caller_pad is None else \
-        boundary_pad | out["padding_mask"]
+    out["padding_mask"] = slots.boundary_pad if caller_pad is None else \
+        slots.boundary_pad | out["padding_mask"]
 
-    cu = stream.cu_seqlens_padded(drop_empty=True).to(torch.int32)
-    out.update(cu_seqlens=cu, cu_seqlens_padded=cu,
-               cu_seqlens_unpadded=stream.cu_seqlens_real(drop_empty=True).to(torch.int32),
-               max_seqlen=stream.max_seqlen(), qkv_format="thd", cp_size=size, cp_rank=rank)
+    cu, cu_real, max_seqlen = host.cu_seqlens(device)
+    out.update(cu_seqlens=cu, cu_seqlens_padded=cu, cu_seqlens_unpadded=cu_real,
+               max_seqlen=max_seqlen, qkv_format="thd", cp_size=size, cp_rank=rank)
 
     # The caller-to-stream map is O(B*S): built only when a token verb first reads it.
     positions = stream.input_token_stream_positions

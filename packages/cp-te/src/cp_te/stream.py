@@ -5,6 +5,12 @@ of the layout divisor (``2*cp`` times any per-chunk multiple), and the segments 
 concatenated in row-major order into one stream ``[T]``. Every caller token is kept, in order,
 so the only new slots are the per-document pad the layout adds; a stream slot is described by
 its segment and its offset in that segment.
+
+:meth:`ThdStream.locate`, :meth:`ThdStream.caller_source` and :meth:`ThdStream.last_caller_token`
+are the per-token definitions of a slot's segment, caller token and position source. The
+sharder computes the same for its own slots from the partition's runs
+(:mod:`cp_te.local_slots`); these stay as the reference its tests compare against (and
+``locate`` builds the ``[1, T]`` document tensors when attention asks for them).
 """
 
 from __future__ import annotations
