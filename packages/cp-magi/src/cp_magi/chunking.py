@@ -27,6 +27,8 @@ from cp_magi.solver_rows import descending_order
 
 #: Default floor tolerance: split until no assignment is forced above ``1 + 1e-3``.
 DEFAULT_SPLIT_TOLERANCE = 1e-3
+#: The solver stops once the max load is within this relative distance of its lower bound.
+DEFAULT_SOLVER_TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -128,14 +130,16 @@ def plan_chunks(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank
 def dispatch(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank: int, *,
              split: int = 8, tolerance: float = DEFAULT_SPLIT_TOLERANCE,
              chunk_multiple: int = 1, solver: SolverName = "best",
-             max_rounds: int = 3) -> tuple[ChunkPlan, Assignment]:
+             max_rounds: int = 3, solver_tolerance: float = DEFAULT_SOLVER_TOLERANCE
+             ) -> tuple[ChunkPlan, Assignment]:
     """Chunk the stream (:func:`plan_chunks`) and solve the assignment; while the achieved
     max/mean work is above ``1 + tolerance`` although the floor promised better (the floor is
     a bound, not always reachable: a few heavy chunks per rank may have no equal split), cut
-    twice as many chunks and solve again, up to ``max_rounds`` times, keeping the best."""
+    twice as many chunks and solve again, up to ``max_rounds`` times, keeping the best.
+    ``solver_tolerance`` is the solver's ``rel_tol`` (:func:`cp_magi.solver.solve`)."""
     plan = plan_chunks(rects, cp, chunk_size, chunks_per_rank, split=split,
                        tolerance=tolerance, chunk_multiple=chunk_multiple)
-    best = (plan, _solve(plan, cp, solver))
+    best = (plan, _solve(plan, cp, solver, solver_tolerance))
     n0 = cp * chunks_per_rank
     can_split = split_factor(chunk_size, split, chunk_multiple) > 1
     for _ in range(max_rounds):
@@ -145,7 +149,7 @@ def dispatch(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank: i
         finer = plan_chunks(rects, cp, chunk_size, chunks_per_rank, split=split,
                             tolerance=tolerance, chunk_multiple=chunk_multiple,
                             min_split=max(cp, 2 * plan.split_chunks))
-        cand = _solve(finer, cp, solver)
+        cand = _solve(finer, cp, solver, solver_tolerance)
         if cand.imbalance < assignment.imbalance:
             best = (finer, cand)
         else:
@@ -153,8 +157,9 @@ def dispatch(rects: AttnRectangles, cp: int, chunk_size: int, chunks_per_rank: i
     return best
 
 
-def _solve(plan: ChunkPlan, cp: int, solver: SolverName) -> Assignment:
-    return solve(plan.workloads, cp, solver, classes=plan.classes if plan.n_classes > 1 else None)
+def _solve(plan: ChunkPlan, cp: int, solver: SolverName, rel_tol: float) -> Assignment:
+    return solve(plan.workloads, cp, solver, classes=plan.classes if plan.n_classes > 1 else None,
+                 rel_tol=rel_tol)
 
 
 def chunk_rank_runs(plan: ChunkPlan, rank_chunks: np.ndarray) -> RankRuns:
@@ -169,6 +174,6 @@ def rank_token_indices(plan: ChunkPlan, rank_chunks: np.ndarray) -> np.ndarray:
     return chunk_rank_runs(plan, rank_chunks).all_indices().numpy()
 
 
-__all__ = ["ChunkPlan", "DEFAULT_SPLIT_TOLERANCE", "dispatch", "plan_chunks", "rank_token_indices",
+__all__ = ["ChunkPlan", "DEFAULT_SPLIT_TOLERANCE", "DEFAULT_SOLVER_TOLERANCE", "dispatch", "plan_chunks", "rank_token_indices",
            "chunk_rank_runs",
            "split_factor"]

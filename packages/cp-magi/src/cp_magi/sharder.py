@@ -50,7 +50,13 @@ from cp_core.backend_api import (
     without_document_keys,
 )
 from cp_magi.documents import RealKeyMask, document_spans, span_rows, stream_spans
-from cp_magi.chunking import DEFAULT_SPLIT_TOLERANCE, ChunkPlan, chunk_rank_runs, dispatch
+from cp_magi.chunking import (
+    DEFAULT_SOLVER_TOLERANCE,
+    DEFAULT_SPLIT_TOLERANCE,
+    ChunkPlan,
+    chunk_rank_runs,
+    dispatch,
+)
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
@@ -189,7 +195,8 @@ def shard_batch_magi(
     padding_token_id: int = 0, *, chunk_size: int | None = None,
     chunks_per_rank: int | None = None, solver: SolverName = "best",
     mask: MaskSource = "documents", chunk_multiple: int = 1, split: int = 8,
-    split_tolerance: float = DEFAULT_SPLIT_TOLERANCE, attention: str = "causal",
+    split_tolerance: float = DEFAULT_SPLIT_TOLERANCE,
+    solver_tolerance: float = DEFAULT_SOLVER_TOLERANCE, attention: str = "causal",
     window: int | None = None, chunk: int | None = None,
     transport_options: Mapping[str, Any] | None = None, use_magi_kernels: MagiKernelMode = "never",
 ) -> ShardResult:
@@ -213,7 +220,7 @@ def shard_batch_magi(
     rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, attention, window, chunk)
     chunks, assignment = dispatch(rect_mask, size, csize, cpr, split=split,
                                   tolerance=split_tolerance, chunk_multiple=chunk_multiple,
-                                  solver=solver)
+                                  solver=solver, solver_tolerance=solver_tolerance)
     device = nb.primary.device
     # Every rank's chunks as runs (O(chunks)); only this rank's tokens are listed.
     rank_runs = chunk_rank_runs(chunks, assignment.rank_chunks)
