@@ -233,9 +233,10 @@ def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.
 
 
 def _as_pieces(rows: np.ndarray) -> list[Piece]:
-    # Column lists zipped in C, then retyped: cheaper than a list per row from tolist().
-    new = tuple.__new__
-    return [new(Piece, r) for r in zip(*rows.T.tolist())]
+    # Plain tuples in Piece's field order, zipped from column lists in C: a tuple subclass
+    # would cost a second allocation per piece (and, unlike plain int tuples, stay tracked
+    # by the garbage collector). Consumers read pieces by position, or wrap with Piece._make.
+    return list(zip(*rows.T.tolist()))  # type: ignore[arg-type]
 
 
 def local_pieces(rects: BandRects, q_index: Any, k_index: Any) -> list[Piece]:

@@ -211,20 +211,27 @@ def band_mask(nq: int, nk: int, dlo: int, dhi: int, dtype: torch.dtype, device: 
     return full[:, :nk]
 
 
+# Pieces are read by position: a schedule built with arrays holds plain tuples in Piece's
+# field order (b, q0, q1, src, k0, k1, kind, dlo, dhi), which cost half a Piece to create.
+
+
 def _rows(t: torch.Tensor, p: Piece) -> torch.Tensor:
-    t = t if p.b < 0 else t[p.b:p.b + 1]
-    return t[:, :, p.q0:p.q1]
+    b = p[0]
+    t = t if b < 0 else t[b:b + 1]
+    return t[:, :, p[1]:p[2]]
 
 
 def _keys(t: torch.Tensor, p: Piece) -> torch.Tensor:
-    t = t if p.b < 0 else t[p.b:p.b + 1]
-    return t[:, :, p.k0:p.k1]
+    b = p[0]
+    t = t if b < 0 else t[b:b + 1]
+    return t[:, :, p[4]:p[5]]
 
 
 def _piece_mask(p: Piece, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    if p.kind != BAND:
+    _, q0, q1, _, k0, k1, kind, dlo, dhi = p
+    if kind != BAND:
         return None
-    return band_mask(p.q1 - p.q0, p.k1 - p.k0, p.dlo, p.dhi, dtype, device)
+    return band_mask(q1 - q0, k1 - k0, dlo, dhi, dtype, device)
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, p: Piece, out: torch.Tensor,
@@ -245,6 +252,7 @@ def causal_tiles(p: Piece, leaf: int) -> tuple[Piece, ...]:
     """A causal piece as kernel calls of at most ``leaf`` causal rows: the square halved into
     two causal squares and the full rectangle below the first (recursively). The calls cover
     exactly the square's allowed pairs, each once. Cached: the layers of a step share pieces."""
+    p = Piece._make(p)  # a plain tuple in Piece's field order is accepted too
     out: list[Piece] = []
     stack = [(p.q0, p.k0, p.q1 - p.q0)]
     while stack:
@@ -266,7 +274,7 @@ def kernel_calls(kernel: PieceKernel, pieces: list[Piece]) -> list[Piece]:
         return pieces
     out: list[Piece] = []
     for p in pieces:
-        if p.kind == CAUSAL and p.q1 - p.q0 > leaf:
+        if p[6] == CAUSAL and p[2] - p[1] > leaf:
             out += causal_tiles(p, leaf)
         else:
             out.append(p)
@@ -278,7 +286,7 @@ def forward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: tor
                    lse_acc: torch.Tensor) -> None:
     """Compute every piece against keys ``k``/``v`` and merge it into the accumulators."""
     for p in kernel_calls(kernel, pieces):
-        o, lse = kernel.forward(_rows(q, p), _keys(k, p), _keys(v, p), p.kind == CAUSAL,
+        o, lse = kernel.forward(_rows(q, p), _keys(k, p), _keys(v, p), p[6] == CAUSAL,
                                 _piece_mask(p, q.dtype, q.device), scale)
         merge_into(out_acc, lse_acc, p, o, lse)
 
@@ -291,7 +299,7 @@ def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: to
     for p in kernel_calls(kernel, pieces):
         gq, gk, gv = kernel.backward(
             _rows(grad_out, p), _rows(q, p), _keys(k, p), _keys(v, p), _rows(out, p),
-            _rows(lse.unsqueeze(-1), p).squeeze(-1), p.kind == CAUSAL,
+            _rows(lse.unsqueeze(-1), p).squeeze(-1), p[6] == CAUSAL,
             _piece_mask(p, q.dtype, q.device), scale)
         _rows(dq, p).add_(gq.to(dq.dtype))
         _keys(dk, p).add_(gk.to(dk.dtype))

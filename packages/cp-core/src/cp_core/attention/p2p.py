@@ -61,7 +61,11 @@ class RingStep:
 
 @dataclass
 class P2PSchedule:
-    """This rank's pieces and ring steps for one step's plan (host data, built once)."""
+    """This rank's pieces and ring steps for one step's plan (host data, built once).
+
+    ``local`` and every step's ``pieces`` are tuples in :class:`Piece`'s field order (plain
+    tuples from the vectorised builder, Piece objects from the Python definition; they
+    compare equal field by field); :meth:`pieces` names them."""
 
     rank: int
     size: int
@@ -69,15 +73,19 @@ class P2PSchedule:
     steps: list[RingStep]
     stats: dict[str, int] = field(default_factory=dict)
 
+    def pieces(self) -> list[Piece]:
+        """Every piece of the schedule as a :class:`Piece` (the vectorised builder stores
+        plain tuples in its field order)."""
+        return [Piece._make(p) for p in self.local] + [Piece._make(p) for s in self.steps
+                                                       for p in s.pieces]
+
     def area(self) -> int:
         """Score elements this rank computes."""
-        return sum(p.area for p in self.local) + sum(p.area for s in self.steps
-                                                     for p in s.pieces)
+        return sum(p.area for p in self.pieces())
 
     def pairs(self) -> int:
         """Allowed (query, key) pairs of this rank."""
-        return sum(p.pairs for p in self.local) + sum(p.pairs for s in self.steps
-                                                      for p in s.pieces)
+        return sum(p.pairs for p in self.pieces())
 
     def recv_rows(self) -> int:
         """Remote key rows this rank receives per forward."""

@@ -59,6 +59,8 @@ class Piece(NamedTuple):
     ``kind`` and, for ``BAND``, the bounds ``dlo <= u - r <= dhi`` in piece coordinates.
 
     A named tuple: a long-context step has thousands of pieces, built on the host every step.
+    Schedules built with arrays (:mod:`cp_core.attention.crop`) hold plain tuples in this
+    field order instead (half the cost to create); ``Piece._make(t)`` names one.
     """
 
     b: int
