@@ -179,12 +179,15 @@ def piece_rows(boxes: Boxes) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def split_by_src(rows: np.ndarray) -> dict[int, np.ndarray]:
-    """Piece rows grouped by their key source, each group in its original order."""
+def pieces_by_src(rows: np.ndarray) -> dict[int, list[Piece]]:
+    """Piece rows grouped by their key source (each group in its original order), as piece
+    tuples: one conversion for all sources, then cut."""
     rows = rows[np.argsort(rows[:, _SRC], kind="stable")]
-    owners, first = np.unique(rows[:, _SRC], return_index=True)
-    bounds = [*first.tolist(), rows.shape[0]]
-    return {int(o): rows[bounds[i]:bounds[i + 1]] for i, o in enumerate(owners.tolist())}
+    src = rows[:, _SRC]
+    cuts = (np.flatnonzero(src[1:] != src[:-1]) + 1).tolist()
+    pieces = _as_pieces(rows)
+    bounds = [0, *cuts, len(pieces)]
+    return {int(src[a]): pieces[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a}
 
 
 def _merge_runs(rows: np.ndarray, same: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
@@ -311,7 +314,7 @@ def _many_pieces(mine: Boxes, rank: int, r_owner: np.ndarray, r_start: np.ndarra
     # touch in the buffer too, and ranges that were apart there sit back to back.
     remote = merge_full_rows(buffer_rows(rows[~is_local], r_owner, r_start, r_end))
     local = _as_pieces(merge_full_rows(rows[is_local]))
-    return local, {s: _as_pieces(r) for s, r in split_by_src(remote).items()}
+    return local, pieces_by_src(remote)
 
 
 def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
@@ -340,4 +343,4 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
 
 __all__ = ["Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
            "ranges_by_owner", "piece_rows",
-           "split_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
+           "pieces_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
