@@ -181,3 +181,39 @@ def test_local_pieces_equal_the_python_definition():
         k = torch.randperm(seq, generator=gen)[:rng.randint(1, seq)]
         want = build_rank_slices(rects, index_runs(q), {0: index_runs(k)}).by_src.get(0, [])
         assert sorted(local_pieces(rects, q, k)) == sorted(want), (trial, kind)
+
+
+def test_run_table_lists_every_rank_run_with_its_local_row():
+    # By the definition: every (owner, run) once, sorted by global start, local row = tokens
+    # of the owner's earlier runs; ranks without runs contribute nothing.
+    from cp_core.attention.run_table import RunTable
+
+    rng = random.Random(11)
+    for trial in range(200):
+        cp = rng.randint(1, 6)
+        starts, lengths, pos = [], [], 0
+        for _ in range(cp):
+            k = rng.choice([0, 1, 2, 5])
+            s, n = [], []
+            for _ in range(k):
+                pos += rng.randint(1, 4)  # gaps: runs never continue each other
+                s.append(pos)
+                n.append(rng.randint(1, 3))
+                pos += n[-1]
+            starts.append(s)
+            lengths.append(n)
+        order = list(range(cp))
+        rng.shuffle(order)  # ranks hold interleaved positions in any order
+        runs = RankRuns.build([starts[i] for i in order], [lengths[i] for i in order])
+        ranks = sorted(rng.sample(range(cp), rng.randint(1, cp)))
+        want = []
+        for r in ranks:
+            local = 0
+            for s, n in zip(runs.starts[r].tolist(), runs.lengths[r].tolist()):
+                want.append((s, s + n, local, r))
+                local += n
+        want.sort()
+        table = RunTable.of(runs, ranks)
+        got = list(zip(table.start.tolist(), table.end.tolist(), table.local.tolist(),
+                       table.owner.tolist()))
+        assert got == want, trial

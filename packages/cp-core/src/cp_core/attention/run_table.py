@@ -50,15 +50,20 @@ class RunTable:
 
     @classmethod
     def _build(cls, runs: RankRuns, ranks: list[int]) -> "RunTable":
-        st = [runs.starts[r] for r in ranks]
-        ln = [runs.lengths[r] for r in ranks]
-        lo = [runs.local_offsets(r) for r in ranks]
-        ow = [np.full(s.size, r, np.int64) for r, s in zip(ranks, st)]
-        start = np.concatenate(st) if st else np.zeros(0, np.int64)
+        if not ranks:
+            empty = np.zeros(0, np.int64)
+            return cls(empty, empty, empty, empty)
+        start = np.concatenate([runs.starts[r] for r in ranks])
+        lengths = np.concatenate([runs.lengths[r] for r in ranks])
+        counts = [runs.starts[r].size for r in ranks]
+        owner = np.repeat(np.asarray(ranks, np.int64), counts)
+        # Local row of each run: the lengths before it within its rank (one cumulative sum,
+        # minus the sum at the rank's first run).
+        before = np.cumsum(lengths) - lengths
+        firsts = np.repeat(np.cumsum([0, *counts[:-1]]), counts)  # a rank without runs: none
+        local = before - before[firsts]
         order = np.argsort(start, kind="stable")
-        end = (start + (np.concatenate(ln) if ln else np.zeros(0, np.int64)))
-        return cls(start[order], end[order], np.concatenate(lo)[order] if lo else start,
-                   np.concatenate(ow)[order] if ow else start)
+        return cls(start[order], (start + lengths)[order], local[order], owner[order])
 
 
 def overlaps(lo: np.ndarray, hi: np.ndarray, table: RunTable) -> tuple[np.ndarray, np.ndarray]:
