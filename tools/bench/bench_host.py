@@ -79,9 +79,10 @@ def megatron_floor(batch: dict[str, torch.Tensor], rank: int = 0, cp: int = CP) 
 
 def cpu_tiling(plan: Any) -> float | None:
     """Process time of the host work the CPU kernels add at a step's first attention call:
-    cutting the plan's causal squares into leaves (``fused.kernel_calls``; CUDA kernels take
-    them whole). None when no fused schedule was built by then."""
-    from cp_core.attention.fused import CPUFlashKernel, causal_tiles, kernel_calls
+    the plan's pieces as the kernel calls them, causal squares cut into leaves
+    (``P2PSchedule.kernel_pieces``, kept for the step's other layers; CUDA kernels take the
+    squares whole). None when no fused schedule was built by then."""
+    from cp_core.attention.fused import CPUFlashKernel, causal_tiles
     from cp_core.attention.p2p import P2PSchedule
 
     scheds = [v for v in plan.cache.values() if isinstance(v, P2PSchedule)]
@@ -91,9 +92,7 @@ def cpu_tiling(plan: Any) -> float | None:
     kernel = CPUFlashKernel()
     t0 = time.process_time()
     for s in scheds:
-        kernel_calls(kernel, s.local)
-        for step in s.steps:
-            kernel_calls(kernel, step.pieces)
+        s.kernel_pieces(kernel)
     return time.process_time() - t0
 
 

@@ -283,9 +283,10 @@ def kernel_calls(kernel: PieceKernel, pieces: list[Piece]) -> list[Piece]:
 
 def forward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    pieces: list[Piece], scale: float, out_acc: torch.Tensor,
-                   lse_acc: torch.Tensor) -> None:
-    """Compute every piece against keys ``k``/``v`` and merge it into the accumulators."""
-    for p in kernel_calls(kernel, pieces):
+                   lse_acc: torch.Tensor, *, tiled: bool = False) -> None:
+    """Compute every piece against keys ``k``/``v`` and merge it into the accumulators
+    (``tiled``: the pieces are already :func:`kernel_calls` of this kernel)."""
+    for p in pieces if tiled else kernel_calls(kernel, pieces):
         o, lse = kernel.forward(_rows(q, p), _keys(k, p), _keys(v, p), p[6] == CAUSAL,
                                 _piece_mask(p, q.dtype, q.device), scale)
         merge_into(out_acc, lse_acc, p, o, lse)
@@ -294,9 +295,10 @@ def forward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: tor
 def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor,
                     grad_out: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor) -> None:
-    """Add every piece's ``(dq, dk, dv)`` into the accumulators (``dk``/``dv`` index ``k``)."""
-    for p in kernel_calls(kernel, pieces):
+                    dv: torch.Tensor, *, tiled: bool = False) -> None:
+    """Add every piece's ``(dq, dk, dv)`` into the accumulators (``dk``/``dv`` index ``k``;
+    ``tiled`` as in :func:`forward_pieces`)."""
+    for p in pieces if tiled else kernel_calls(kernel, pieces):
         gq, gk, gv = kernel.backward(
             _rows(grad_out, p), _rows(q, p), _keys(k, p), _keys(v, p), _rows(out, p),
             _rows(lse.unsqueeze(-1), p).squeeze(-1), p[6] == CAUSAL,

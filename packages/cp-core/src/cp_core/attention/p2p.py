@@ -28,7 +28,13 @@ import torch.distributed as dist
 from cp_core.comm import record_collective
 from cp_core.failures import peer_failures
 from cp_core.runs import RankRuns
-from cp_core.attention.fused import PieceKernel, backward_pieces, forward_pieces, kernel_for
+from cp_core.attention.fused import (
+    PieceKernel,
+    backward_pieces,
+    forward_pieces,
+    kernel_calls,
+    kernel_for,
+)
 from cp_core.attention.plan import AttentionPlan
 from cp_core.attention.crop import local_pieces, schedule_parts
 from cp_core.attention.rects import BandRects
@@ -72,6 +78,18 @@ class P2PSchedule:
     local: list[Piece]
     steps: list[RingStep]
     stats: dict[str, int] = field(default_factory=dict)
+    _calls: dict[Any, tuple[list[Piece], list[list[Piece]]]] = field(
+        default_factory=dict, repr=False, compare=False)
+
+    def kernel_pieces(self, kernel: PieceKernel) -> tuple[list[Piece], list[list[Piece]]]:
+        """``(local, per step)`` pieces as ``kernel`` computes them (:func:`kernel_calls`),
+        built on the first call and kept: every layer of the step reuses them."""
+        leaf = getattr(kernel, "causal_leaf", None)
+        got = self._calls.get(leaf)
+        if got is None:
+            got = self._calls[leaf] = (kernel_calls(kernel, self.local),
+                                       [kernel_calls(kernel, st.pieces) for st in self.steps])
+        return got
 
     def pieces(self) -> list[Piece]:
         """Every piece of the schedule as a :class:`Piece` (the vectorised builder stores
@@ -193,15 +211,16 @@ class _P2PAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=-1) if sched.steps else None
         pending = _exchange(group, kv, sched.steps[0], _TAG_KV, sched.stats) \
             if sched.steps else None
-        forward_pieces(kernel, q, k, v, sched.local, scale, out_acc, lse_acc)
+        local, calls = sched.kernel_pieces(kernel)
+        forward_pieces(kernel, q, k, v, local, scale, out_acc, lse_acc, tiled=True)
         for i, step in enumerate(sched.steps):
             assert pending is not None
             buf = pending.wait()
             pending = (_exchange(group, kv, sched.steps[i + 1], _TAG_KV, sched.stats)
                        if i + 1 < len(sched.steps) else None)
             if buf is not None and step.pieces:
-                forward_pieces(kernel, q, buf[..., :dk_], buf[..., dk_:], step.pieces, scale,
-                               out_acc, lse_acc)
+                forward_pieces(kernel, q, buf[..., :dk_], buf[..., dk_:], calls[i], scale,
+                               out_acc, lse_acc, tiled=True)
             del buf
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
@@ -221,8 +240,9 @@ class _P2PAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=-1) if sched.steps else None
         pending = _exchange(group, kv, sched.steps[0], _TAG_KV_BWD, sched.stats) \
             if sched.steps else None
-        backward_pieces(kernel, q, k, v, sched.local, scale, out, lse, grad_out, dq,
-                        dkv[..., :dk_], dkv[..., dk_:])
+        local, calls = sched.kernel_pieces(kernel)
+        backward_pieces(kernel, q, k, v, local, scale, out, lse, grad_out, dq,
+                        dkv[..., :dk_], dkv[..., dk_:], tiled=True)
         # At most one gradient exchange is in flight: step i's is waited for at step i + 1,
         # so backward holds no more remote rows than the forward did (plus one dK/dV share).
         in_flight: tuple[_Exchange, RingStep] | None = None
@@ -234,8 +254,9 @@ class _P2PAttention(torch.autograd.Function):
             dbuf = None
             if buf is not None:
                 dbuf = torch.zeros(buf.shape, dtype=acc_dt, device=buf.device)
-                backward_pieces(kernel, q, buf[..., :dk_], buf[..., dk_:], step.pieces, scale,
-                                out, lse, grad_out, dq, dbuf[..., :dk_], dbuf[..., dk_:])
+                backward_pieces(kernel, q, buf[..., :dk_], buf[..., dk_:], calls[i], scale,
+                                out, lse, grad_out, dq, dbuf[..., :dk_], dbuf[..., dk_:],
+                                tiled=True)
             del buf
             _land(in_flight, dkv)
             # The peer's share goes back to its owner (src); ours comes from dst.
