@@ -88,11 +88,14 @@ def construct(w: np.ndarray, cp: int, rows: np.ndarray) -> tuple[np.ndarray, np.
         acc = [0] * cp if w.dtype == np.int64 else [0.0] * cp
         ranks = range(cp)
         values = w[rows[:head]].tolist()
+        perms = []
         for i in range(head):
             lightest = sorted(ranks, key=acc.__getitem__)
-            grid[i, lightest] = rows[i]
+            perms.append(lightest)
             for r, v in zip(lightest, values[i]):
                 acc[r] += v
+        if head:  # one scatter for all the rows (a per-row numpy assignment cost more)
+            grid[np.arange(head)[:, None], np.asarray(perms)] = rows[:head]
         loads[:] = acc
     else:
         for i in range(head):
