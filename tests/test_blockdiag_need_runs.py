@@ -26,6 +26,7 @@ from cp_blockdiag.routing import (
     need_matrix,
     summarize,
 )
+from cp_core.testing.truth import truth_contiguous_need
 
 CPS = (1, 2, 3, 4, 8)
 
@@ -52,20 +53,6 @@ def _random_ids(rng: random.Random, bsz: int, length: int, holes: bool, tail: bo
             p = end
         out[b, real:] = 0
     return out
-
-
-def _need_by_definition(ids: torch.Tensor, cp: int) -> torch.Tensor:
-    """Token by token: rank r needs key p of row b when p lies on a lower rank and belongs
-    to (is a real token of) a document that has a token in r's chunk."""
-    bsz, length = ids.shape
-    n = length // cp
-    need = torch.zeros(bsz, cp, length, dtype=torch.bool)
-    for b in range(bsz):
-        for r in range(cp):
-            docs = {int(d) for d in ids[b, r * n:(r + 1) * n] if d != 0}
-            for p in range(r * n):
-                need[b, r, p] = int(ids[b, p]) in docs
-    return need
 
 
 def _as_matrix(runs: NeedRuns, length: int) -> torch.Tensor:
@@ -139,7 +126,7 @@ def test_runs_from_ids_equal_the_need_matrix(cp: int, holes: bool, tail: bool) -
         length = cp * rng.randint(1, 7)
         ids = _random_ids(rng, rng.randint(1, 4), length, holes, tail)
         runs = NeedRuns.from_ids(ids, cp)
-        assert torch.equal(_as_matrix(runs, length), _need_by_definition(ids, cp))
+        assert torch.equal(_as_matrix(runs, length), truth_contiguous_need(ids, cp))
         _assert_same_as_matrix(runs, ids, cp)
 
 
@@ -153,7 +140,7 @@ def test_runs_from_segments_equal_the_need_matrix(cp: int) -> None:
         ids = _random_ids(rng, rng.randint(1, 4), length, holes=False, tail=rng.random() < 0.5)
         runs = NeedRuns.from_segments(_segments(ids), cp, length)
         _assert_same_as_matrix(runs, ids, cp)
-        assert torch.equal(_as_matrix(runs, length), _need_by_definition(ids, cp))
+        assert torch.equal(_as_matrix(runs, length), truth_contiguous_need(ids, cp))
 
 
 def test_a_hole_spanning_a_whole_chunk_still_routes_the_rest_of_the_document() -> None:
@@ -161,7 +148,7 @@ def test_a_hole_spanning_a_whole_chunk_still_routes_the_rest_of_the_document() -
     # (from owners 0 and 2), rank 2 needs chunk 0, and nothing of the hole moves.
     ids = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]])
     runs = NeedRuns.from_ids(ids, 4)
-    assert torch.equal(_as_matrix(runs, 8), _need_by_definition(ids, 4))
+    assert torch.equal(_as_matrix(runs, 8), truth_contiguous_need(ids, 4))
     assert runs.owner_counts().tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [2, 0, 0, 0],
                                             [2, 0, 2, 0]]
     assert runs.halo_violation() == (0, 2, 0)
@@ -185,7 +172,7 @@ def test_many_rows_take_the_vectorised_paths() -> None:
         ids = _random_ids(rng, 48, 8 * 4, holes, tail=False)
         runs = NeedRuns.from_ids(ids, 8)
         assert int(np.bincount(runs.rank).max()) > need_runs._FEW_RANGES
-        assert torch.equal(_as_matrix(runs, ids.shape[1]), _need_by_definition(ids, 8))
+        assert torch.equal(_as_matrix(runs, ids.shape[1]), truth_contiguous_need(ids, 8))
         _assert_same_as_matrix(runs, ids, 8)
 
 

@@ -10,25 +10,12 @@ import torch
 from cp_blockdiag.routing import build_route, choose_exchange, need_matrix, summarize
 from cp_core.errors import CPAttentionError
 from cp_core.testing.reference_attention import doc_ids_from_lengths
+from cp_core.testing.truth import truth_contiguous_need
 
 
 def _ids(rows: list[list[int]], length: int) -> torch.Tensor:
     """Document ids from lengths per row, right-padded with 0 to ``length``."""
     return doc_ids_from_lengths(rows, length)
-
-
-def _need_reference(ids: torch.Tensor, cp: int) -> torch.Tensor:
-    """Straight from the definition: rank r needs key p of row b when some query of r's chunk
-    in row b is in the same (non-pad) document and p lies on a lower rank."""
-    bsz, length = ids.shape
-    n = length // cp
-    need = torch.zeros(bsz, cp, length, dtype=torch.bool)
-    for b in range(bsz):
-        for r in range(cp):
-            docs = {int(d) for d in ids[b, r * n:(r + 1) * n] if d != 0}
-            for p in range(r * n):
-                need[b, r, p] = int(ids[b, p]) in docs
-    return need
 
 
 def _random_rows(rng: random.Random, bsz: int, length: int) -> list[list[int]]:
@@ -49,12 +36,12 @@ def test_need_matrix_matches_definition(cp: int) -> None:
     for _ in range(20):
         length = cp * rng.randint(1, 6)
         ids = _ids(_random_rows(rng, rng.randint(1, 3), length), length)
-        assert torch.equal(need_matrix(ids, cp), _need_reference(ids, cp))
+        assert torch.equal(need_matrix(ids, cp), truth_contiguous_need(ids, cp))
 
 
 def test_need_matrix_with_pad_holes() -> None:
     ids = torch.tensor([[1, 1, 0, 0, 1, 2, 0, 2]])
-    assert torch.equal(need_matrix(ids, 4), _need_reference(ids, 4))
+    assert torch.equal(need_matrix(ids, 4), truth_contiguous_need(ids, 4))
 
 
 def test_auto_decision() -> None:

@@ -230,5 +230,20 @@ def truth_step(model: nn.Module, batch: Mapping[str, Any], *, window: int | None
     return float(loss.detach()), grads
 
 
+def truth_contiguous_need(ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """Bool ``[B, cp, L]``, token by token: under contiguous shards of ``L / cp`` positions
+    and per-document causal attention, rank ``r`` needs key ``p`` of row ``b`` when ``p`` lies
+    on a lower rank and is a real token (id != 0) of a document with a token in r's chunk."""
+    bsz, length = ids.shape
+    n = length // cp
+    need = torch.zeros(bsz, cp, length, dtype=torch.bool)
+    for b in range(bsz):
+        for r in range(cp):
+            docs = {int(d) for d in ids[b, r * n:(r + 1) * n] if d != 0}
+            for p in range(r * n):
+                need[b, r, p] = int(ids[b, p]) in docs
+    return need
+
+
 __all__ = ["truth_documents", "truth_mask", "truth_positions", "explicit_mask_sdpa",
-           "truth_step"]
+           "truth_step", "truth_contiguous_need"]
