@@ -160,8 +160,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "te", "te_thd reads a segment's last token's position from the token before"),
     # te layout / metadata
     M("te-unpadded-is-padded", "layout", TE + "sharder.py",
-      "cu_seqlens_unpadded=stream.cu_seqlens_real(drop_empty=True)",
-      "cu_seqlens_unpadded=stream.cu_seqlens_padded(drop_empty=True)", "te",
+      "cu_seqlens_padded=cu, cu_seqlens_unpadded=cu_real,",
+      "cu_seqlens_padded=cu, cu_seqlens_unpadded=cu,", "te",
       "cu_seqlens_unpadded reports padded lengths"),
     M("te-real-length-is-span", "padding", TE + "stream.py",
       "length = torch.where(last >= 0, last - seg_start + 1, torch.zeros_like(last))",
