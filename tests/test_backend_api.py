@@ -68,13 +68,13 @@ def test_backends_import_only_the_declared_api() -> None:
 
 def test_the_check_catches_an_undeclared_import(tmp_path: Path) -> None:
     src = tmp_path / "mod.py"
-    src.write_text("from cp_core.framework import make_plan\nimport cp_core.comm\n"
+    src.write_text("from cp_core.builtin import make_plan\nimport cp_core.comm.collectives\n"
                    "from cp_core.backend_api import make_plan, no_such_name\n"
                    "from cp_core import ShardLayout, comm\n")
     bad = _violations(src)
     assert [b.split(": ", 1)[1] for b in bad] == [
-        "from cp_core.framework import make_plan", "import cp_core.comm",
-        "from cp_core.backend_api import no_such_name", "from cp_core import comm"]
+        "from cp_core.builtin import make_plan", "import cp_core.comm.collectives",
+        "from cp_core.backend_api import no_such_name", "from cp_core.comm import collectives as comm"]
 
 
 @pytest.mark.parametrize("src", BACKEND_SOURCES)

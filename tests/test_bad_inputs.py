@@ -27,7 +27,7 @@ from cp_core.errors import (
     CPLayoutError,
     CPLayoutUnavailableError,
 )
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing import installed
 from cp_core.testing.bad_inputs import (  # the catalogue's building blocks

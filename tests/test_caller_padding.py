@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cp_core.errors import CPConfigError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing.fills import check_local_fills
 from cp_core.testing import installed

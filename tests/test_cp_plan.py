@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from cp_core.attention.plan import DocumentMask
+from cp_core.plan.record import DocumentMask
 from cp_core.cli.plan import (
     PlanConfig,
     _rewrite_argv,
@@ -27,7 +27,7 @@ from cp_core.cli.plan import (
 )
 from cp_core.datasets import make_packed_batch
 from cp_core.errors import CPConfigError
-from cp_core.planning import attention_work
+from cp_core.rank_stats import attention_work
 from cp_core.testing import installed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_attention_work_equals_brute_force(kind: str, window: int | None, chunk:
     batch = make_packed_batch(rows, 50, seed, pad_to=max(map(sum, rows)) + 3)
     ids = batch["_packed_seq_ids"]
     # Positions as the framework builds them (restart per document, continuing through pad).
-    from cp_core.documents import document_positions
+    from cp_core.batch.documents import document_positions
 
     pos = document_positions(ids)
     mask = DocumentMask(ids, pos, kind, window, chunk)  # type: ignore[arg-type]
@@ -258,7 +258,7 @@ def test_every_backend_conserves_the_total_work(backend: str) -> None:
 
 def test_picture_helpers_mix_fine_ownership_mark_pads_and_skip_pad_ticks() -> None:
     from cp_core.cli.plot import document_starts, ownership_image, pad_runs
-    from cp_core.planning import LayoutPlan, RankPlan
+    from cp_core.rank_stats import LayoutPlan, RankPlan
 
     # Token i on rank i mod 4 over 8000 slots, drawn in 100 columns: every column is a quarter
     # of each rank's colour (an interleaved layout is not aliasing noise).

@@ -14,7 +14,7 @@ import torch
 
 from cp_core.datasets import make_packed_batch
 from cp_core.loss import cp_cross_entropy
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import available_backends, build_sharder
 
 FLAT = ["te_thd", "magi"]

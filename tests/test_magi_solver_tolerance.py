@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cp_core.errors import CPConfigError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing.batches import packed_batch
 from cp_magi.solver import solve

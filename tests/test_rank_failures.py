@@ -69,7 +69,7 @@ def case_user_step_in_report_failures(rank: int, world: int) -> str:
     """Rank 1 fails in the caller's own code, inside ``report_failures()``."""
     import torch.distributed as dist
 
-    from cp_core.failures import report_failures
+    from cp_core.comm.failures import report_failures
     from cp_core.loss import count_label_tokens
 
     with report_failures():
@@ -136,7 +136,7 @@ def test_blockdiag_exchange_names_the_failed_rank(exchange: str) -> None:
 
 
 def test_without_a_process_group_nothing_is_recorded_or_renamed() -> None:
-    from cp_core.failures import failed_peers, peer_failures, record_failure
+    from cp_core.comm.failures import failed_peers, peer_failures, record_failure
 
     record_failure(ValueError("no group: a no-op"))
     assert failed_peers() == []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cp_core.errors import CPBatchError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing import installed
 

@@ -5,7 +5,7 @@ installed backend at CP 2 and 4: the same batch passes with exactly one all-gath
 int64 per ``shard``; batches that differ on some ranks (one label, two swapped tokens, a whole
 other row) raise :class:`CPLayoutError` on every rank, naming the diverging ranks; ranks that
 compute different layouts from the same batch are caught too. The pure decision rule
-(:func:`cp_core.verify.check_vectors`) is also tested in one process.
+(:func:`cp_core.placement.verify.check_vectors`) is also tested in one process.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_core.comm import count_collectives
+from cp_core.comm.collectives import count_collectives
 from cp_core.errors import CPLayoutError
-from cp_core.layout import ShardLayout
+from cp_core.placement.layout import ShardLayout
 from cp_core.registry import build_sharder
 from cp_core.testing import installed
 from cp_core.testing.multirank import RankPool
 from cp_core.testing.parity import cp_subgroup
-from cp_core.verify import VECTOR_LEN, check_vectors, local_vector, tensor_fingerprint
+from cp_core.placement.verify import VECTOR_LEN, check_vectors, local_vector, tensor_fingerprint
 
 WORLD = 4
 TIMEOUT_S = 20.0
@@ -229,7 +229,7 @@ def _fingerprint_in_subprocess(seed: str) -> str:
     import subprocess
     import sys
 
-    code = ("from cp_core.verify import batch_fingerprint;"
+    code = ("from cp_core.placement.verify import batch_fingerprint;"
             "print(batch_fingerprint({'tags': {'alpha', 'beta', 'gamma', 'delta'}}))")
     env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -239,7 +239,7 @@ def _fingerprint_in_subprocess(seed: str) -> str:
 def test_fingerprint_is_exact_and_stable_for_non_tensor_values() -> None:
     import numpy as np
 
-    from cp_core.verify import batch_fingerprint
+    from cp_core.placement.verify import batch_fingerprint
 
     # A set of strings iterates in a per-process order: the fingerprint must not depend on it.
     assert _fingerprint_in_subprocess("1") == _fingerprint_in_subprocess("2")

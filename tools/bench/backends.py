@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder, default_registry
 from cp_core.sharder import ContextParallelSharder
 

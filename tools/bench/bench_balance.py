@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from cp_core.datasets import make_packed_batch, packed_rows
-from cp_core.layout import ShardLayout
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.placement.layout import ShardLayout
+from cp_core.comm.mesh import SimulatedCPMesh
 
 from backends import benchmark_backends, make_sharder
 from report import make_result, percentile

@@ -3,10 +3,10 @@
 Four real gloo processes (:class:`cp_core.testing.multirank.RankPool`) shard a packed batch
 with each installed backend and gather a token-aligned fp32 tensor (per-token logprobs,
 shaped like the local ``labels``) back to global order, counting what crosses the wire with
-:func:`cp_core.comm.count_collectives`:
+:func:`cp_core.comm.collectives.count_collectives`:
 
 * ours: ``sharder.gather_token_tensor`` (index maps known on every rank: data only);
-* the index design: :func:`cp_core.tokens.gather_token_tensor_by_indices` with
+* the index design: :func:`cp_core.placement.tokens.gather_token_tensor_by_indices` with
   ``rank_indices=None``, which all-gathers every rank's int64 index map on every call before
   the data (the reference design).
 
@@ -34,9 +34,9 @@ def gather_case(rank: int, world: int, name: str, bsz: int, seq: int, calls: int
     import torch
     import torch.distributed as dist
 
-    from cp_core.comm import count_collectives
+    from cp_core.comm.collectives import count_collectives
     from cp_core.datasets import make_packed_batch, packed_rows
-    from cp_core.tokens import gather_token_tensor_by_indices
+    from cp_core.placement.tokens import gather_token_tensor_by_indices
 
     from backends import make_sharder
 

@@ -4,7 +4,7 @@ Batches ``[1, 131072]`` and ``[8, 16384]`` (``--quick``: ``[1, 4096]``, ``[2, 10
 packed rows from the shared histogram (documents capped at a quarter of the row, seeded),
 built by :mod:`host_batch` from one JSON spec in every process: ``input_ids``, ``labels``,
 ``position_ids`` restarting per document, ``loss_mask``. Each side shards as rank 0 of 8
-(ours with a :class:`~cp_core.mesh.SimulatedCPMesh`, the peers with torch's fake process
+(ours with a :class:`~cp_core.comm.mesh.SimulatedCPMesh`, the peers with torch's fake process
 group) and the timed region is the library's shard call plus entering and leaving the
 context it returns (where NeMo's round-robin path actually shards). Inputs are fresh copies
 every run (untimed). All sides run on one thread. Median of ``repeats`` after ``warmup``.
@@ -82,8 +82,8 @@ def cpu_tiling(plan: Any) -> float | None:
     the plan's pieces as the kernel calls them, causal squares cut into leaves
     (``P2PSchedule.kernel_pieces``, kept for the step's other layers; CUDA kernels take the
     squares whole). None when no fused schedule was built by then."""
-    from cp_core.attention.fused import CPUFlashKernel, causal_tiles
-    from cp_core.attention.p2p import P2PSchedule
+    from cp_core.runtime.kernels.fused import CPUFlashKernel, causal_tiles
+    from cp_core.runtime.p2p_ring import P2PSchedule
 
     scheds = [v for v in plan.cache.values() if isinstance(v, P2PSchedule)]
     if not scheds:
@@ -102,8 +102,8 @@ def time_interleaved(names: list[str], batch: dict[str, torch.Tensor], repeats: 
     there) for every backend and the in-process floor, one run of each in turn per repeat,
     so load that comes and goes hits every backend alike. ``verify`` times the host part of
     ``verify_layout`` the same way."""
-    from cp_core.attention.intercept import active_plan
-    from cp_core.verify import local_vector
+    from cp_core.runtime.intercept import active_plan
+    from cp_core.placement.verify import local_vector
 
     sharders = {n: make_sharder(n, CP) for n in names}
     samples: dict[str, list[float]] = {n: [] for n in [*names, "floor"]}

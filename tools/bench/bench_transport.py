@@ -56,8 +56,8 @@ def attention_case(rank: int, world: int, configs: list[tuple[str, str, str]], t
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from cp_core.attention.intercept import active_plan
-    from cp_core.attention.p2p import schedule_for
+    from cp_core.runtime.intercept import active_plan
+    from cp_core.runtime.p2p_ring import schedule_for
     from cp_core.datasets import make_packed_batch, packed_rows
 
     from backends import make_sharder
@@ -94,7 +94,7 @@ def attention_case(rank: int, world: int, configs: list[tuple[str, str, str]], t
         info["local_rows"] = leaves[0].shape[2]
         prepared.append((ctx, leaves, local[3], info))
 
-    from cp_core.comm import count_collectives
+    from cp_core.comm.collectives import count_collectives
 
     def attend(ctx: Any, leaves: list[Any], g: Any, info: dict[str, Any]) -> int:
         with ctx():

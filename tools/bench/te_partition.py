@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from cp_core.datasets import load_length_histogram, packed_rows
-from cp_core.boundaries import Segments
-from cp_core.padding import thd_document_divisor
+from cp_core.batch.boundaries import Segments
+from cp_core.placement.padding import thd_document_divisor
 from cp_te.partition import (partition_rank_runs, partition_runs, partitioned_indices,
                              partitioned_indices_all_ranks)
 from cp_te.stream import ThdStream, sum_padded

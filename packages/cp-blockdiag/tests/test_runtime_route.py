@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_blockdiag.runtime import RoutedTransport
-from cp_core.attention.intercept import activate_plan
+from cp_core.runtime.intercept import activate_plan
 from cp_core.registry import build_sharder
 from cp_core.testing.batches import packed_batch
 

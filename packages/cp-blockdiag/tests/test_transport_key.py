@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cp_core.errors import CPConfigError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from cp_core.attention import crop
-from cp_core.attention.p2p import build_schedule, rank_runs, schedule_from_runs
-from cp_core.attention.rects import document_rects
-from cp_core.layout import ShardLayout
-from cp_core.runs import RankRuns
+from cp_core.plan import crop
+from cp_core.runtime.p2p_ring import build_schedule, rank_runs, schedule_from_runs
+from cp_core.plan.rects import document_rects
+from cp_core.placement.layout import ShardLayout
+from cp_core.placement.runs import RankRuns
 
 
 def _random_ids(rng: random.Random, bsz: int, seq: int) -> torch.Tensor:
@@ -126,8 +126,8 @@ def _pairs(rects, bsz: int, seq: int) -> torch.Tensor:
 
 
 def test_documents_known_as_runs_give_the_same_mask_as_their_ids():
-    from cp_core.attention.rects import segment_rects
-    from cp_core.documents import resolve_documents
+    from cp_core.plan.rects import segment_rects
+    from cp_core.batch.documents import resolve_documents
 
     rng = random.Random(1)
     for trial in range(150):
@@ -167,8 +167,8 @@ def test_documents_known_as_runs_give_the_same_mask_as_their_ids():
 def test_local_pieces_equal_the_python_definition():
     # fused_attention (a backend that moved the keys itself): this rank's queries over keys
     # already here, at any global positions.
-    from cp_core.attention.crop import local_pieces
-    from cp_core.attention.slices import build_rank_slices, index_runs
+    from cp_core.plan.crop import local_pieces
+    from cp_core.plan.slices import build_rank_slices, index_runs
 
     rng = random.Random(7)
     for trial in range(60):
@@ -186,7 +186,7 @@ def test_local_pieces_equal_the_python_definition():
 def test_run_table_lists_every_rank_run_with_its_local_row():
     # By the definition: every (owner, run) once, sorted by global start, local row = tokens
     # of the owner's earlier runs; ranks without runs contribute nothing.
-    from cp_core.attention.run_table import RunTable
+    from cp_core.plan.run_table import RunTable
 
     rng = random.Random(11)
     for trial in range(200):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_core.attention.kernel import blocked_attention
-from cp_core.attention.plan import DocumentMask
+from cp_core.runtime.kernels.blocked import blocked_attention
+from cp_core.plan.record import DocumentMask
 from cp_core.testing import reference_attention
 
 ref = reference_attention
@@ -53,8 +53,8 @@ def test_fused_pieces_on_cuda_match_masked_sdpa(dtype: torch.dtype, tol: float, 
                                                 window: int | None) -> None:
     """The p2p runtime's CUDA kernel (memory-efficient SDPA per piece, LSE merge, recomputing
     backward) on a permuted single-rank layout, against SDPA with the explicit mask."""
-    from cp_core.attention.intercept import activate_plan
-    from cp_core.attention.plan import AttentionPlan
+    from cp_core.runtime.intercept import activate_plan
+    from cp_core.plan.record import AttentionPlan
 
     dev = torch.device("cuda")
     rows, seq = [[40, 25, 30]], 100

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_core.attention.intercept import activate_plan, active_plan
-from cp_core.attention.plan import AttentionPlan, DocumentMask
+from cp_core.runtime.intercept import activate_plan, active_plan
+from cp_core.plan.record import AttentionPlan, DocumentMask
 from cp_core.errors import CPAttentionError
-from cp_core.framework import shard_batch_identity
+from cp_core.builtin import shard_batch_identity
 from cp_core.testing import reference_attention
 
 ref = reference_attention

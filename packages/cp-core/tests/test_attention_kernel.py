@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from cp_core.attention.kernel import block_sizes, blocked_attention
-from cp_core.attention.plan import DocumentMask
+from cp_core.runtime.kernels.blocked import block_sizes, blocked_attention
+from cp_core.plan.record import DocumentMask
 from cp_core.errors import CPAttentionError
 from cp_core.testing import reference_attention
 

@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
-from cp_core.attention.fused import CPUFlashKernel, MathKernel, forward_pieces
-from cp_core.attention.p2p import _pack, build_schedule, rank_runs, schedule_from_runs
-from cp_core.attention.plan import AttentionPlan, DocumentMask
-from cp_core.attention.rects import INF, band_area, document_rects
-from cp_core.attention.slices import CAUSAL, Piece, index_runs
-from cp_core.runs import RankRuns
+from cp_core.runtime.kernels.fused import CPUFlashKernel, MathKernel, forward_pieces
+from cp_core.runtime.p2p_ring import _pack, build_schedule, rank_runs, schedule_from_runs
+from cp_core.plan.record import AttentionPlan, DocumentMask
+from cp_core.plan.rects import INF, band_area, document_rects
+from cp_core.plan.slices import CAUSAL, Piece, index_runs
+from cp_core.placement.runs import RankRuns
 from cp_core.testing import reference_attention
 
 ref = reference_attention
@@ -180,7 +180,7 @@ class _NoHostSync(torch.overrides.TorchFunctionMode):
 
 
 def test_forward_and_backward_never_read_tensor_values():
-    from cp_core.attention.intercept import activate_plan
+    from cp_core.runtime.intercept import activate_plan
 
     ids = torch.tensor([[1] * 7 + [2] * 9 + [0] * 4 + [3] * 12])
     seq = ids.shape[1]
@@ -208,7 +208,7 @@ def test_forward_and_backward_never_read_tensor_values():
 
 
 def test_real_keys_only_removes_exactly_the_pad_keys():
-    from cp_core.attention.rects import real_keys_only
+    from cp_core.plan.rects import real_keys_only
 
     rng = random.Random(9)
     for _ in range(30):
@@ -233,9 +233,9 @@ def test_real_keys_only_removes_exactly_the_pad_keys():
 
 def test_magi_with_a_pad_hole_is_planned_by_p2p():
     pytest.importorskip("cp_magi")
-    from cp_core.attention.intercept import active_plan
-    from cp_core.attention.p2p import schedule_for
-    from cp_core.mesh import SimulatedCPMesh
+    from cp_core.runtime.intercept import active_plan
+    from cp_core.runtime.p2p_ring import schedule_for
+    from cp_core.comm.mesh import SimulatedCPMesh
     from cp_core.registry import build_sharder
 
     ids = torch.tensor([[1, 1, 1, 0, 1, 1, 2, 2, 2, 2, 2, 0]])

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from cp_core.attention.fused import (
+from cp_core.runtime.kernels.fused import (
     CPUFlashKernel,
     CUDAEfficientKernel,
     MathKernel,
@@ -22,10 +22,10 @@ from cp_core.attention.fused import (
     forward_pieces,
     kernel_calls,
 )
-from cp_core.attention.p2p import schedule_from_runs
-from cp_core.attention.rects import document_rects
-from cp_core.attention.slices import CAUSAL, FULL, Piece
-from cp_core.runs import RankRuns
+from cp_core.runtime.p2p_ring import schedule_from_runs
+from cp_core.plan.rects import document_rects
+from cp_core.plan.slices import CAUSAL, FULL, Piece
+from cp_core.placement.runs import RankRuns
 from cp_core.testing import reference_attention as ref
 
 

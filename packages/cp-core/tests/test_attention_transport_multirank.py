@@ -39,7 +39,7 @@ def _attend(cfg: dict[str, Any], cp_mesh: Any, batch: dict[str, torch.Tensor],
             tensors: list[torch.Tensor], kind: str, explicit_mask: bool
             ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, int]]:
     """Shard, attend inside the ctx, backward; gathered output, summed grads, forward comms."""
-    from cp_core.comm import all_reduce, count_collectives
+    from cp_core.comm.collectives import all_reduce, count_collectives
     from cp_core.registry import build_sharder
 
     sharder = build_sharder(cfg, cp_mesh)

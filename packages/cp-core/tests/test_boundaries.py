@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cp_core import SimulatedCPMesh
-from cp_core.attention.intercept import active_plan
-from cp_core.documents import document_positions, resolve_documents
+from cp_core.runtime.intercept import active_plan
+from cp_core.batch.documents import document_positions, resolve_documents
 from cp_core.errors import CPBatchError
 from cp_core.registry import build_sharder
 from cp_core.testing import reference_attention

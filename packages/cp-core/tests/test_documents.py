@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_core.documents import document_positions, resolve_documents
+from cp_core.batch.documents import document_positions, resolve_documents
 from cp_core.errors import CPBatchError
 from cp_core.testing.forms import block_causal_mask
 
@@ -105,7 +105,7 @@ def test_implicit_source_agrees_with_the_position_scan() -> None:
     # scan of position_ids (position_ids_restart) is the definition, pad or no pad.
     import random
 
-    from cp_core.doc_sources import position_ids_restart, position_rows
+    from cp_core.batch.sources import position_ids_restart, position_rows
 
     rng = random.Random(4)
     for trial in range(120):

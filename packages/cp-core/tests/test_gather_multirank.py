@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_core.comm import count_collectives
+from cp_core.comm.collectives import count_collectives
 from cp_core.registry import build_sharder
 from cp_core.testing.multirank import RankPool, leading_group
 
@@ -91,7 +91,7 @@ def test_gradient_routing(pool: RankPool, size: int) -> None:
 
 
 def case_unknown_indices_need_one_exchange(rank: int, world: int) -> tuple:
-    from cp_core.tokens import gather_token_tensor_by_indices
+    from cp_core.placement.tokens import gather_token_tensor_by_indices
 
     # A data-dependent permutation that this rank alone knows: the indices must travel once.
     perm = torch.randperm(8 * world, generator=torch.Generator().manual_seed(0))

@@ -291,8 +291,8 @@ def test_magi_refuses_a_layer_kind_its_mask_cannot_give(pool: RankPool) -> None:
 
 def test_refusals_name_the_setting() -> None:
     import cp_core.hf  # noqa: F401
-    from cp_core.attention.intercept import activate_plan
-    from cp_core.attention.plan import AttentionPlan, DocumentMask
+    from cp_core.runtime.intercept import activate_plan
+    from cp_core.plan.record import AttentionPlan, DocumentMask
     from cp_core.errors import CPAttentionError
 
     idx = torch.arange(12)

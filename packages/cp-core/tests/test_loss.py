@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from cp_core.errors import CPBatchError, CPConfigError
 from cp_core.grads import allreduce_gradients
 from cp_core.loss import count_label_tokens, cp_cross_entropy
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.testing.multirank import RankPool, leading_group
 
 VOCAB = 11

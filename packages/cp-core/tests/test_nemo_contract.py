@@ -26,7 +26,7 @@ from cp_core import (
     reorder_gathered_token_tensor,
     round_robin_local_indices,
 )
-from cp_core.mesh import CPMeshLike, cp_group, cp_rank, cp_size
+from cp_core.comm.mesh import CPMeshLike, cp_group, cp_rank, cp_size
 from cp_core.registry import build_sharder
 
 

@@ -4,7 +4,7 @@ A model (not Hugging Face's) that passes each layer's own local mask: under a sl
 plan, a step whose calls mix the local sliding-window mask with plain causal attention is
 refused (the full layers would be served with the window), while calls of one form are served.
 Hugging Face layers are checked from their call's ``sliding_window``
-(``cp_core.attention.hf_layer``; exercised in ``test_hf_cp_attention.py``).
+(``cp_core.runtime.hf_layer``; exercised in ``test_hf_cp_attention.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_core.attention.intercept import activate_plan
-from cp_core.attention.plan import AttentionPlan, DocumentMask
+from cp_core.runtime.intercept import activate_plan
+from cp_core.plan.record import AttentionPlan, DocumentMask
 from cp_core.errors import CPAttentionError
 
 N, WINDOW = 12, 4

@@ -94,8 +94,8 @@ def test_flat_caller_stream_goes_through_the_position_map() -> None:
 def test_document_mask_is_built_on_first_read(backend: str) -> None:
     """Sharding plans no attention: the document mask is built when attention first reads it,
     and then it is the same mask an eager build gives."""
-    from cp_core.attention.intercept import active_plan
-    from cp_core.attention.plan import DocumentMask
+    from cp_core.runtime.intercept import active_plan
+    from cp_core.plan.record import DocumentMask
     from cp_core.registry import get_backend
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_core.attention.plan import AttentionPlan, DocumentMask, TransportOptions
+from cp_core.plan.record import AttentionPlan, DocumentMask, TransportOptions
 from cp_core.errors import CPConfigError
 from cp_core.registry import build_sharder
 

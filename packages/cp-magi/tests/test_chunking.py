@@ -9,7 +9,7 @@ import torch
 
 from cp_core.datasets import packed_rows
 from cp_core.errors import CPBatchError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing.batches import packed_batch
 from cp_magi.chunking import dispatch, plan_chunks, rank_token_indices, split_factor

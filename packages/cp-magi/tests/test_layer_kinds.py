@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_core.attention.kinds import plan_for_kind
-from cp_core.attention.rects import BandRects
+from cp_core.plan.kinds import plan_for_kind
+from cp_core.plan.rects import BandRects
 from cp_core.errors import CPAttentionError
 from cp_core.registry import build_sharder
 

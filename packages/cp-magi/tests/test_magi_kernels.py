@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_core.attention.intercept import active_plan
-from cp_core.attention.kernel import blocked_attention
-from cp_core.attention.plan import AttentionPlan
-from cp_core.attention.transport import allgather_sdpa
+from cp_core.runtime.intercept import active_plan
+from cp_core.runtime.kernels.blocked import blocked_attention
+from cp_core.plan.record import AttentionPlan
+from cp_core.runtime.transports.allgather import allgather_sdpa
 from cp_core.errors import CPAttentionError, CPConfigError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.testing.batches import packed_row
 from cp_magi import magi_kernels

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cp_core.errors import CPBatchError, CPConfigError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder, get_backend
 from cp_core.testing.batches import packed_batch
 from cp_magi.mask import AttnRectangles

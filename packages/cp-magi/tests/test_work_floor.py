@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cp_core.mesh import SimulatedCPMesh
-from cp_core.planning import plan_layout
+from cp_core.comm.mesh import SimulatedCPMesh
+from cp_core.rank_stats import plan_layout
 from cp_core.registry import build_sharder
 from cp_core.testing.batches import packed_batch
 

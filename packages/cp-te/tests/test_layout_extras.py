@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_core.documents import resolve_documents
+from cp_core.batch.documents import resolve_documents
 from cp_core.registry import build_sharder
 
 

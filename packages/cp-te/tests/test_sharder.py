@@ -252,7 +252,7 @@ def test_te_path_sets_the_cp_group_on_dot_product_attention() -> None:
     batch, _ = _batch(0)
     batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     from cp_te.sharder import _ctx_factory
-    from cp_core.framework import make_transport_ctx
+    from cp_core.builtin import make_transport_ctx
 
     # At CP size 1 the context must leave TE unsharded and the module as it was.
     factory = _ctx_factory(make_transport_ctx(None), True, group, "all_gather")

@@ -14,7 +14,7 @@ the caller's batch:
   when absent (its pad-tail zeros depend on the global length, which a rank's forward cannot
   see).
 
-Documents come from :func:`cp_core.documents.resolve_documents` (as on every backend); every
+Documents come from :func:`cp_core.batch.documents.resolve_documents` (as on every backend); every
 rank holds the full batch, so each computes the same K/V route and exchange without
 communicating (:class:`cp_blockdiag.need_runs.NeedRuns`, from the documents' runs).
 """

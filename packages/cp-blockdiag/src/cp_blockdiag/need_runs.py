@@ -124,7 +124,7 @@ class NeedRuns:
 
     @classmethod
     def from_segments(cls, segments: tuple[Any, ...], cp: int, length: int) -> "NeedRuns":
-        """From :meth:`cp_core.documents.Documents.segments` (``starts, ends, rows, batch``:
+        """From :meth:`cp_core.batch.documents.Documents.segments` (``starts, ends, rows, batch``:
         hole-free documents in row order) of rows right-padded to ``length`` tokens."""
         starts, ends, rows, batch_size = segments
         starts, ends, rows = (np.asarray(a, dtype=_I64) for a in (starts, ends, rows))
@@ -136,7 +136,7 @@ class NeedRuns:
     @classmethod
     def from_ids(cls, doc_ids: torch.Tensor, cp: int) -> "NeedRuns":
         """From padded document ids ``[B, L]`` (0 == pad; ids increasing along each row, as
-        :func:`cp_core.documents.resolve_documents` gives them): one pass over the ids finds
+        :func:`cp_core.batch.documents.resolve_documents` gives them): one pass over the ids finds
         their runs, so pad holes are allowed."""
         bsz, length = doc_ids.shape
         _chunk_len(length, cp)

@@ -5,11 +5,11 @@ maps, the framework ``shard_batch`` implementations, and the CP mesh stand-in. B
 selected through :mod:`cp_core.registry`.
 """
 
-from cp_core.attention.intercept import activate_plan, active_plan
-from cp_core.attention.kernel import blocked_attention
-from cp_core.attention.plan import AttentionPlan, DocumentMask
-from cp_core.attention.transport import allgather_sdpa
-from cp_core.batch import convert_attention_mask_to_padding_mask
+from cp_core.runtime.intercept import activate_plan, active_plan
+from cp_core.runtime.kernels.blocked import blocked_attention
+from cp_core.plan.record import AttentionPlan, DocumentMask
+from cp_core.runtime.transports.allgather import allgather_sdpa
+from cp_core.batch.normalise import convert_attention_mask_to_padding_mask
 from cp_core.errors import (
     CPAttentionError,
     CPBackendLoadError,
@@ -20,7 +20,7 @@ from cp_core.errors import (
     CPLayoutError,
     CPLayoutUnavailableError,
 )
-from cp_core.framework import (
+from cp_core.builtin import (
     shard_batch_aux_only,
     shard_batch_contiguous,
     shard_batch_identity,
@@ -31,16 +31,16 @@ from cp_core.framework import (
 from cp_core.datasets import load_length_histogram, make_packed_batch, packed_rows, sample_document_lengths
 from cp_core.grads import allreduce_gradients
 from cp_core.labels import shift_labels, with_shifted_labels
-from cp_core.layout import (
+from cp_core.placement.layout import (
     ShardLayout,
     contiguous_local_indices,
     identity_local_indices,
     round_robin_local_indices,
 )
 from cp_core.loss import count_label_tokens, cp_cross_entropy
-from cp_core.mesh import CPMeshLike, SimulatedCPMesh
+from cp_core.comm.mesh import CPMeshLike, SimulatedCPMesh
 from cp_core.sharder import ContextParallelSharder
-from cp_core.tokens import (
+from cp_core.placement.tokens import (
     gather_token_tensor_by_indices,
     reorder_gathered_token_tensor,
     shard_token_tensor_by_indices,

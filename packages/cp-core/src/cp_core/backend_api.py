@@ -16,7 +16,7 @@ What a backend's ``shard_batch`` is built from, in the order it uses them:
   :func:`resolve_primary`: which key is the token stream) and the
   resolvers of documents (:func:`resolve_documents`), positions (:func:`document_positions`,
   :func:`pad_position_ids`), pad fills (:func:`pad_value_for`, :func:`pad_seq_dim`) and pad
-  divisors (:mod:`cp_core.padding`);
+  divisors (:mod:`cp_core.placement.padding`);
 * the shared pad-and-select procedure of static layouts (:func:`shard_normalized`);
 * the attention plan and the context factory (:func:`build_document_mask`, :func:`make_plan`,
   :func:`make_transport_ctx`), and, for a backend that drives its own kernel, the transport
@@ -30,25 +30,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from cp_core.attention.intercept import activate_plan, active_plan
-from cp_core.attention.kernel import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
-from cp_core.attention.p2p import fused_attention, fused_schedule
-from cp_core.attention.plan import (
+from cp_core.runtime.intercept import activate_plan, active_plan
+from cp_core.runtime.kernels.blocked import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
+from cp_core.runtime.p2p_ring import fused_attention, fused_schedule
+from cp_core.plan.record import (
     ATTENTION_KINDS,
     AttentionKind,
     AttentionPlan,
     DocumentMask,
     TransportOptions,
 )
-from cp_core.attention.rects import INF, BandRects, real_keys_only
-from cp_core.attention.slices import index_runs
-from cp_core.attention.transport import (
+from cp_core.plan.rects import INF, BandRects, real_keys_only
+from cp_core.plan.slices import index_runs
+from cp_core.runtime.transports.allgather import (
     allgather_sdpa,
     check_local_shapes,
     gather_kv,
     resolve_causal,
 )
-from cp_core.batch import (
+from cp_core.batch.normalise import (
     NormalizedBatch,
     normalize_batch,
     pad_position_ids,
@@ -56,11 +56,11 @@ from cp_core.batch import (
     pad_value_for,
     resolve_primary,
 )
-from cp_core.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
-from cp_core.comm import differentiable_all_gather, record_collective
-from cp_core.failures import peer_failures
+from cp_core.batch.boundaries import BOUNDARY_KEYS, DEFAULT_SENTINEL, Segments
+from cp_core.comm.collectives import differentiable_all_gather, record_collective
+from cp_core.comm.failures import peer_failures
 from cp_core.config import CPBackendConfig, FlatStreamConfig
-from cp_core.documents import (
+from cp_core.batch.documents import (
     Documents,
     document_positions,
     resolve_documents,
@@ -73,7 +73,7 @@ from cp_core.errors import (
     CPError,
     CPLayoutError,
 )
-from cp_core.framework import (
+from cp_core.builtin import (
     CtxFactory,
     ShardResult,
     build_document_mask,
@@ -82,7 +82,7 @@ from cp_core.framework import (
     normalize_with_documents,
     shard_normalized,
 )
-from cp_core.layout import (
+from cp_core.placement.layout import (
     IndexFn,
     ShardLayout,
     contiguous_local_indices,
@@ -91,8 +91,8 @@ from cp_core.layout import (
     round_robin_local_indices,
     round_up,
 )
-from cp_core.mesh import CPMeshLike, SimulatedCPMesh, cp_group, cp_rank, cp_size
-from cp_core.padding import (
+from cp_core.comm.mesh import CPMeshLike, SimulatedCPMesh, cp_group, cp_rank, cp_size
+from cp_core.placement.padding import (
     contiguous_divisor,
     per_chunk_multiple,
     per_rank_divisor,
@@ -100,9 +100,9 @@ from cp_core.padding import (
     thd_document_divisor,
 )
 from cp_core.registry import Backend
-from cp_core.runs import RankRuns
+from cp_core.placement.runs import RankRuns
 from cp_core.sharder import ContextParallelSharder
-from cp_core.stacks import ThreadStack
+from cp_core.comm.stacks import ThreadStack
 
 #: Names served lazily from :mod:`cp_core.testing.conformance` (it imports pytest).
 _TESTING = ("ConformanceSuite", "cp_rank_pool")

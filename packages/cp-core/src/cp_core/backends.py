@@ -8,13 +8,13 @@ from typing import Any
 from pydantic import Field
 
 from cp_core.config import CPBackendConfig
-from cp_core.framework import (
+from cp_core.builtin import (
     shard_batch_aux_only,
     shard_batch_contiguous,
     shard_batch_identity,
     shard_batch_load_balanced,
 )
-from cp_core.layout import (
+from cp_core.placement.layout import (
     contiguous_local_indices,
     identity_local_indices,
     round_robin_local_indices,

@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Mapping, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cp_core.attention.plan import AttentionKind, TransportOptions
+from cp_core.plan.record import AttentionKind, TransportOptions
 from cp_core.errors import CPConfigError
-from cp_core.mesh import cp_size
+from cp_core.comm.mesh import cp_size
 
 
 #: Largest CP size a config may ask for (a bound, so a typo such as 1e9 is refused at once).
@@ -71,7 +71,7 @@ class CPBackendConfig(BaseModel):
     @field_validator("transport")
     @classmethod
     def _check_transport(cls, name: str) -> str:
-        from cp_core.attention.transports import available_transports
+        from cp_core.runtime.transport_registry import available_transports
 
         if name not in available_transports():
             raise ValueError(f"unknown transport {name!r}; installed: {list(available_transports())}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cp_core.comm import all_reduce
+from cp_core.comm.collectives import all_reduce
 from cp_core.errors import CPConfigError
 from cp_core.loss import reduction_groups
 

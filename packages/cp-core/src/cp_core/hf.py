@@ -22,10 +22,10 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_core.attention.intercept import active_plan, serve_call
-from cp_core.attention.kinds import call_kind, plan_for_kind
+from cp_core.runtime.intercept import active_plan, serve_call
+from cp_core.plan.kinds import call_kind, plan_for_kind
 from cp_core.errors import CPAttentionError
-from cp_core.layout import ShardLayout
+from cp_core.placement.layout import ShardLayout
 
 try:
     from transformers import AttentionInterface

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from cp_core.doc_sources import ids_from_position_ids
+from cp_core.batch.sources import ids_from_position_ids
 from cp_core.errors import CPBatchError
 
 

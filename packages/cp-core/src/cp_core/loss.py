@@ -38,7 +38,7 @@ def reduction_groups(group_or_mesh: Any) -> list[dist.ProcessGroup]:
 
     None: no communication. A ProcessGroup: itself. A DeviceMesh of any dimension: one group
     per mesh dimension (summing over each dimension in turn sums over the whole mesh). A
-    :class:`~cp_core.mesh.SimulatedCPMesh` of size 1 counts as None.
+    :class:`~cp_core.comm.mesh.SimulatedCPMesh` of size 1 counts as None.
     """
     if group_or_mesh is None:
         return []
@@ -51,7 +51,7 @@ def reduction_groups(group_or_mesh: Any) -> list[dist.ProcessGroup]:
     if isinstance(group_or_mesh, DeviceMesh):
         return [group_or_mesh.get_group(d) for d in range(group_or_mesh.ndim)
                 if group_or_mesh.size(d) > 1]
-    from cp_core.mesh import SimulatedCPMesh
+    from cp_core.comm.mesh import SimulatedCPMesh
 
     if isinstance(group_or_mesh, SimulatedCPMesh):
         if group_or_mesh.size == 1:
@@ -67,7 +67,7 @@ def reduction_groups(group_or_mesh: Any) -> list[dist.ProcessGroup]:
 
 
 def _all_reduce_sum(t: torch.Tensor, group_or_mesh: Any) -> torch.Tensor:
-    from cp_core.comm import all_reduce
+    from cp_core.comm.collectives import all_reduce
 
     for g in reduction_groups(group_or_mesh):
         all_reduce(t, g)

@@ -18,10 +18,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from pydantic import ValidationError
 
-from cp_core.attention.plan import ATTENTION_KINDS
+from cp_core.plan.record import ATTENTION_KINDS
 from cp_core.config import CPBackendConfig
 from cp_core.errors import CPBackendLoadError, CPBackendNotFoundError, CPConfigError
-from cp_core.mesh import cp_size
+from cp_core.comm.mesh import cp_size
 from cp_core.sharder import ContextParallelSharder
 
 ENTRY_POINT_GROUP = "cp_core.backends"

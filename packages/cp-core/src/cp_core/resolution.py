@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cp_core.errors import CPConfigError
-from cp_core.mesh import cp_size
+from cp_core.comm.mesh import cp_size
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from typing import Any, Callable, Mapping, NoReturn
 
 import torch
 
-from cp_core.batch import pad_seq_dim
+from cp_core.batch.normalise import pad_seq_dim
 from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
-from cp_core.failures import recorded, recording_ctx
-from cp_core.layout import ShardLayout, all_rank_indices
-from cp_core.mesh import can_communicate, cp_size
-from cp_core.positions import (flat_batch_as_rows, row_positions_to_stream, rows_to_stream,
+from cp_core.comm.failures import recorded, recording_ctx
+from cp_core.placement.layout import ShardLayout, all_rank_indices
+from cp_core.comm.mesh import can_communicate, cp_size
+from cp_core.placement.positions import (flat_batch_as_rows, row_positions_to_stream, rows_to_stream,
                                stream_to_rows)
 from cp_core.resolution import (
     Meshes,
@@ -33,7 +33,7 @@ from cp_core.resolution import (
     meshes_from_args,
     resolution_config,
 )
-from cp_core.tokens import (
+from cp_core.placement.tokens import (
     _norm_dim,
     gather_token_tensor_by_indices,
     shard_token_tensor_by_indices,
@@ -127,7 +127,7 @@ class ContextParallelSharder:
 
     # -- verbs -------------------------------------------------------------------------------
 
-    @recorded  # a rank's error is left for its peers to name (cp_core.failures)
+    @recorded  # a rank's error is left for its peers to name (cp_core.comm.failures)
     def shard(self, batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = None
               ) -> tuple[Callable[[], Any], dict[str, Any]]:
         """Shard ``batch`` (not mutated) and keep its layout for the token verbs.
@@ -145,12 +145,12 @@ class ContextParallelSharder:
             )
         except Exception:
             if verify:  # peers learn of the failure now, not after the group timeout
-                from cp_core.verify import verify_layout_agreement
+                from cp_core.placement.verify import verify_layout_agreement
 
                 verify_layout_agreement(self.cp_mesh, batch, None, failed=True)
             raise
         if verify:
-            from cp_core.verify import verify_layout_agreement
+            from cp_core.placement.verify import verify_layout_agreement
 
             verify_layout_agreement(self.cp_mesh, batch, layout)
         self.shard_layout = layout

@@ -1,7 +1,7 @@
 """Documents of a packed ``[B, S]`` batch as spans of the flat stream (``b * S + s``).
 
 The documents themselves come from cp-core's one resolver
-(:func:`cp_core.documents.resolve_documents`, the same on every backend); this module only
+(:func:`cp_core.batch.documents.resolve_documents`, the same on every backend); this module only
 turns them into the ``[start, end)`` spans the rectangle masks are built from. A document is
 one span from its first to its last real token, pad holes inside it included: the hole's
 keys are removed by :class:`RealKeyMask`, so the tokens after a hole still see the tokens
@@ -56,7 +56,7 @@ class RealKeyMask:
     """A token mask that never lets a query see a pad key (``real[k]`` False).
 
     The rectangles of a document span its pad holes too; this removes those keys, so the
-    mask equals cp-core's :class:`~cp_core.attention.plan.DocumentMask` of the same batch.
+    mask equals cp-core's :class:`~cp_core.plan.record.DocumentMask` of the same batch.
     """
 
     inner: object

@@ -5,7 +5,7 @@ as it is; only the local attention computation changes. Per SDPA call, on a CUDA
 ``magi_attention`` importable:
 
 1. K and V of every rank are all-gathered with cp-core's differentiable
-   :func:`~cp_core.attention.transport.gather_kv` (backward sums the K/V gradients back to
+   :func:`~cp_core.runtime.transports.allgather.gather_kv` (backward sums the K/V gradients back to
    their owners), then put back into global stream order (one ``index_select`` whose backward
    scatters the gradient back to the gathered order).
 2. The stream's rectangles are cut to this rank's query rows (:func:`local_ffa_ranges`): a

@@ -20,7 +20,7 @@ The output batch holds flat local tensors (``input_ids [T_local]``, ``position_i
 Pad slots: ``padding_token_id`` in ``input_ids``, labels -100, ``padding_mask`` True,
 ``loss_mask`` 0, floats 0. ``position_ids`` are the caller's when given, else each row's
 arange (cp-core's one rule: what the unsharded model sees; give the positions of shared-prefix
-branches explicitly). Documents come from :func:`cp_core.documents.resolve_documents`.
+branches explicitly). Documents come from :func:`cp_core.batch.documents.resolve_documents`.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def partitioned_indices_all_ranks(cu_seqlens_padded: torch.Tensor, cp_size: int)
 
 
 def partition_rank_runs(cu_seqlens_padded: torch.Tensor, cp_size: int) -> RankRuns:
-    """Every rank's partition as runs (:class:`cp_core.runs.RankRuns`), O(sequences x cp):
+    """Every rank's partition as runs (:class:`cp_core.placement.runs.RankRuns`), O(sequences x cp):
     what a rank needs to know about the others without listing their tokens. The sharder
     builds the same record with :func:`cp_te.local_slots.all_rank_runs` (one merge for every
     rank at once); this one, through ``RankRuns.build``, is its reference."""

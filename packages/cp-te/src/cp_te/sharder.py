@@ -171,7 +171,7 @@ def shard_batch_thd(
 ) -> tuple[CtxFactory, dict[str, Any], ShardLayout]:
     """Shard a packed ``[B, S]`` batch with TE's per-document dual-chunk split.
 
-    Documents come from :func:`cp_core.documents.resolve_documents` (the resolver every
+    Documents come from :func:`cp_core.batch.documents.resolve_documents` (the resolver every
     backend uses). Each document (with the caller's pad after it) is padded to a
     multiple of ``2*cp`` (times the per-chunk multiple of ``pad_multiple``, ``block_size`` and
     the TP size under sequence parallelism), the rows are flattened into one stream and rank r

@@ -35,7 +35,7 @@ def padded_spans(span: torch.Tensor, divisor: int) -> torch.Tensor:
 
 def segments_from_document_ids(ids: torch.Tensor) -> Segments:
     """Segments of resolved document ids ``[B, S]`` (per row 1, 2, ... in order, 0 == pad;
-    :func:`cp_core.documents.resolve_documents`), the unit the THD layout pads and splits.
+    :func:`cp_core.batch.documents.resolve_documents`), the unit the THD layout pads and splits.
 
     A segment starts at each row start and at each document's first token; its ``length``
     runs to the document's last real token (pad holes inside a document are part of it and

@@ -192,7 +192,7 @@ def _local_stats(sharder: Any, local: dict[str, Any], plan: Any) -> tuple[int, i
     """(token slots, pad slots, allowed query/key pairs) of this rank for one step."""
     import torch
 
-    from cp_core.planning import attention_work
+    from cp_core.rank_stats import attention_work
 
     pad = local.get("padding_mask")
     labels = local["labels"]
@@ -211,7 +211,7 @@ def run_rank(cp: Mapping[str, Any], demo: Mapping[str, Any]) -> dict[str, Any] |
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_core.attention.intercept import active_plan
+    from cp_core.runtime.intercept import active_plan
     from cp_core.datasets import make_packed_batch, packed_rows
     from cp_core.registry import build_sharder, resolve_config
     from cp_core.testing.parity import identity_sharder, relative_error, training_step

@@ -73,7 +73,7 @@ def _distribution(name: str) -> str:
 def probe(backend: Backend, q: Question) -> str:
     """What ``backend`` does with one packed row of ``q.seq_len`` tokens on rank 0, or why not."""
     from cp_core.datasets import make_packed_batch
-    from cp_core.mesh import SimulatedCPMesh
+    from cp_core.comm.mesh import SimulatedCPMesh
     from cp_core.registry import build_sharder
 
     cfg = {"backend": backend.name, "size": q.size, "attention": q.attention,
@@ -130,7 +130,7 @@ def _heads_verdict(transport: Any, q: Question) -> str:
 
 
 def _transport_lines(q: Question) -> list[str]:
-    from cp_core.attention.transports import get_transport, transport_entry_points
+    from cp_core.runtime.transport_registry import get_transport, transport_entry_points
 
     lines = []
     for name, target in sorted(transport_entry_points().items()):

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cp_core.cli.app import AppSpec, CLIUsageError, run_app, with_app_cp_size
 from cp_core.errors import CPBatchError, CPConfigError
-from cp_core.planning import LayoutPlan, plan_layout
+from cp_core.rank_stats import LayoutPlan, plan_layout
 
 _log = logging.getLogger(__name__)
 

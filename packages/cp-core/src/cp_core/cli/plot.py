@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cp_core.planning import LayoutPlan
+from cp_core.rank_stats import LayoutPlan
 
 #: At most this many stream rows are drawn; a note says how many were left out.
 MAX_ROWS_DRAWN = 8

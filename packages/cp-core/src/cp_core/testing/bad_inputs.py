@@ -24,8 +24,8 @@ from cp_core.errors import (
     CPLayoutError,
     CPLayoutUnavailableError,
 )
-from cp_core.framework import shard_batch_contiguous, shard_batch_identity
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.builtin import shard_batch_contiguous, shard_batch_identity
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import Registry, build_sharder, use_registry
 
 FRAMEWORK = ("identity", "contiguous", "round_robin", "aux_only")
@@ -131,7 +131,7 @@ def verb_after_shard(verb: Callable[[Any], Any]) -> Callable[[str, Any], None]:
 
 
 class DuckMesh:
-    """A duck-typed 1-D CP mesh (``cp_core.mesh.CPMeshLike``) with no process group."""
+    """A duck-typed 1-D CP mesh (``cp_core.comm.mesh.CPMeshLike``) with no process group."""
 
     def __init__(self, size: int, rank: int) -> None:
         self._size, self._rank = size, rank

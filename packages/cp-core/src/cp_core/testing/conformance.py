@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from cp_core.datasets import make_packed_batch, packed_rows
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 from cp_core.sharder import ContextParallelSharder
 from cp_core.testing.multirank import RankPool, load_callable
@@ -323,7 +323,7 @@ def _rank_parity(rank: int, world: int, ref: Any, cp: int) -> dict[int, Any]:
 
 
 def _rank_transports(rank: int, world: int, ref: Any, cp: int) -> dict[str, Any]:
-    from cp_core.attention.transports import available_transports
+    from cp_core.runtime.transport_registry import available_transports
     from cp_core.errors import CPConfigError
 
     suite = _suite(ref)

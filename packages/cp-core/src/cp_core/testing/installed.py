@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cp_core.errors import CPError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import available_backends, build_sharder, get_backend
 
 

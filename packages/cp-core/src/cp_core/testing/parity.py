@@ -17,7 +17,7 @@ import torch.distributed as dist
 from cp_core.testing.multirank import collective_timeout
 from torch import nn
 
-from cp_core.mesh import SimulatedCPMesh, cp_group, cp_size
+from cp_core.comm.mesh import SimulatedCPMesh, cp_group, cp_size
 from cp_core.sharder import ContextParallelSharder
 
 #: fp32 parity tolerance of the design (relative error of the loss and of every gradient).

@@ -223,7 +223,7 @@ class ReferenceDecoder(nn.Module):
         if flat:
             h = h.unsqueeze(0)
         if cp_slice_mesh is not None:
-            from cp_core.framework import shard_sequence_for_cp_round_robin
+            from cp_core.builtin import shard_sequence_for_cp_round_robin
 
             h, local_idx, _ = shard_sequence_for_cp_round_robin(
                 cp_slice_mesh, h, seq_dim=1, pad_value=0, pad_multiple=cp_pad_multiple)

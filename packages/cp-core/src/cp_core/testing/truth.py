@@ -1,7 +1,7 @@
 """The independent truth every backend is compared with: no sharder, no resolver, loops.
 
 A packed batch is read here by plain Python loops, written from the documented conventions
-and sharing no code with :mod:`cp_core.documents`: which token belongs to which document
+and sharing no code with :mod:`cp_core.batch.documents`: which token belongs to which document
 (``_packed_seq_ids``; else ``attention_mask`` holding ids above 1; else ``seq_lens`` or
 ``cu_seqlens``; else
 ``position_ids`` that go back to 0, a document

@@ -1,1 +1,0 @@
-"""SDPA interception and the CP attention transports."""

@@ -1,0 +1,1 @@
+"""The caller's batch normalised, and the one document resolver with its sources."""

@@ -1,0 +1,1 @@
+"""Collectives (with their counter), the CP mesh, rank failures and per-thread stacks: the bottom stage."""

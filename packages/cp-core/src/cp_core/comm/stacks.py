@@ -1,0 +1,49 @@
+"""Per-thread stacks of "what is active here": the one helper behind every ``with`` block that
+makes a record current for the code it wraps (the attention plan serving SDPA, the collective
+counters of :mod:`cp_core.comm.collectives`, a backend's own transfer counters).
+
+Each thread sees its own stack, so a block entered on one thread never changes what another
+thread sees. Leaving a block restores the stack to what it was on entry, also when the body
+raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class ThreadStack(Generic[T]):
+    """A stack of records, one per thread; ``with stack.pushed(x):`` makes ``x`` current."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def items(self) -> list[T]:
+        """This thread's records, outermost first (the live list: do not edit it)."""
+        items = getattr(self._local, "items", None)
+        if items is None:
+            items = self._local.items = []
+        return items
+
+    def top(self) -> T | None:
+        """The innermost record of this thread, or None outside every block."""
+        items = self.items()
+        return items[-1] if items else None
+
+    @contextlib.contextmanager
+    def pushed(self, item: T) -> Iterator[T]:
+        """Inside the block ``item`` is this thread's innermost record; yields it."""
+        items = self.items()
+        depth = len(items)
+        items.append(item)
+        try:
+            yield item
+        finally:
+            del items[depth:]
+
+
+__all__ = ["ThreadStack"]

@@ -1,0 +1,1 @@
+"""Which rank holds which token: ShardLayout, runs, pad divisors, token verbs, verify."""

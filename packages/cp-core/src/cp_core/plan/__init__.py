@@ -1,0 +1,1 @@
+"""Host-only attention planning over ranges: kinds, band rectangles, pieces, crop, schedules."""

@@ -1,0 +1,1 @@
+"""Attention kernels: the blocked reference kernel and the fused per-piece kernels."""

@@ -1,0 +1,1 @@
+"""The built-in attention transports, one file each."""

@@ -1,0 +1,76 @@
+"""cp_core's stages import one way: comm <- batch <- placement <- plan <- runtime <- front door.
+
+Every import counts, deferred ones inside functions included: a stage that reaches upward,
+even lazily, is a stage that knows about its callers. ``cp_core.errors`` (the exception types)
+is a leaf every stage may import. The front door (registry, sharder, loss, hf, cli, testing,
+...) may import any stage.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cp_core
+from cp_core.testing.imports import package_modules
+
+SRC = Path(cp_core.__file__).resolve().parent
+STAGES = ("comm", "batch", "placement", "plan", "runtime")
+LEAVES = {"cp_core.errors"}
+
+
+def stage_of(module: str) -> int:
+    """Index of ``module``'s stage in :data:`STAGES`; the front door is ``len(STAGES)``."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in STAGES:
+        return STAGES.index(parts[1])
+    return len(STAGES)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted target) of every absolute cp_core import in the file, at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "cp_core":
+                out += [(node.lineno, f"cp_core.{a.name}") for a in node.names]
+            elif node.module.startswith("cp_core."):
+                out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("cp_core.")]
+    return out
+
+
+def upward_imports(src: Path) -> list[str]:
+    """Every import from a stage to a later stage or the front door, as ``file:line -> target``."""
+    bad = []
+    for name, path in package_modules(src).items():
+        here = stage_of(name)
+        for line, target in imported_modules(path):
+            if target in LEAVES:
+                continue
+            if stage_of(target) > here:
+                bad.append(f"{name}:{line} -> {target}")
+    return bad
+
+
+def test_stages_import_one_way() -> None:
+    assert upward_imports(SRC) == []
+
+
+def test_every_stage_is_a_folder() -> None:
+    for stage in STAGES:
+        assert (SRC / stage / "__init__.py").is_file(), stage
+
+
+def test_the_rule_sees_an_upward_import(tmp_path: Path) -> None:
+    """The checker has teeth: a placement module importing the runtime, even lazily, is found."""
+    pkg = tmp_path / "cp_core"
+    (pkg / "placement").mkdir(parents=True)
+    (pkg / "runtime").mkdir()
+    for d in (pkg, pkg / "placement", pkg / "runtime"):
+        (d / "__init__.py").write_text("")
+    (pkg / "runtime" / "door.py").write_text("from cp_core.placement import layout\n")
+    (pkg / "placement" / "layout.py").write_text(
+        "from cp_core.errors import CPError\n\ndef f():\n    from cp_core.runtime import door\n")
+    assert upward_imports(pkg) == ["cp_core.placement.layout:4 -> cp_core.runtime"]
