@@ -80,10 +80,11 @@ def megatron_floor(batch: dict[str, torch.Tensor], rank: int = 0, cp: int = CP) 
 def cpu_tiling(plan: Any) -> float | None:
     """Process time of the host work the CPU kernels add at a step's first attention call:
     the plan's pieces as the kernel calls them, causal squares cut into leaves
-    (``P2PSchedule.kernel_pieces``, kept for the step's other layers; CUDA kernels take the
+    (``p2p_ring.kernel_pieces``, kept for the step's other layers; CUDA kernels take the
     squares whole). None when no fused schedule was built by then."""
     from cp_core.runtime.kernels.fused import CPUFlashKernel, causal_tiles
-    from cp_core.runtime.p2p_ring import P2PSchedule
+    from cp_core.plan.schedule import P2PSchedule
+    from cp_core.runtime.p2p_ring import kernel_pieces
 
     scheds = [v for v in plan.cache.values() if isinstance(v, P2PSchedule)]
     if not scheds:
@@ -92,7 +93,7 @@ def cpu_tiling(plan: Any) -> float | None:
     kernel = CPUFlashKernel()
     t0 = time.process_time()
     for s in scheds:
-        s.kernel_pieces(kernel)
+        kernel_pieces(s, kernel)
     return time.process_time() - t0
 
 

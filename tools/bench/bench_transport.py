@@ -57,7 +57,7 @@ def attention_case(rank: int, world: int, configs: list[tuple[str, str, str]], t
     import torch.nn.functional as F
 
     from cp_core.runtime.intercept import active_plan
-    from cp_core.runtime.p2p_ring import schedule_for
+    from cp_core.plan.schedule import schedule_for
     from cp_core.datasets import make_packed_batch, packed_rows
 
     from backends import make_sharder

@@ -32,7 +32,8 @@ from typing import Any
 
 from cp_core.runtime.intercept import activate_plan, active_plan
 from cp_core.runtime.kernels.blocked import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
-from cp_core.runtime.p2p_ring import fused_attention, fused_schedule
+from cp_core.plan.schedule import fused_schedule
+from cp_core.runtime.p2p_ring import fused_attention
 from cp_core.plan.record import (
     ATTENTION_KINDS,
     AttentionKind,
@@ -42,12 +43,8 @@ from cp_core.plan.record import (
 )
 from cp_core.plan.rects import INF, BandRects, real_keys_only
 from cp_core.plan.slices import index_runs
-from cp_core.runtime.transports.allgather import (
-    allgather_sdpa,
-    check_local_shapes,
-    gather_kv,
-    resolve_causal,
-)
+from cp_core.runtime.transports.allgather import allgather_sdpa, gather_kv
+from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.batch.normalise import (
     NormalizedBatch,
     normalize_batch,

@@ -53,7 +53,7 @@ class _SDPAIntercept(TorchFunctionMode):
         if func not in _SDPA_FUNCS or getattr(_state, "serving", False):
             return func(*args, **kwargs)
         from cp_core.runtime.hf_layer import check_hf_layer
-        from cp_core.runtime.transports.allgather import call_transport
+        from cp_core.runtime.door import call_transport
 
         check_hf_layer(self.plan)  # a Hugging Face layer whose window the plan does not give
         _state.serving = True
@@ -66,7 +66,7 @@ class _SDPAIntercept(TorchFunctionMode):
 def serve_call(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Serve one SDPA-style call with ``plan`` outside the interception (an attention
     interface calling the runtime directly), preparing the plan's transport first."""
-    from cp_core.runtime.transports.allgather import call_transport, select_transport
+    from cp_core.runtime.door import call_transport, select_transport
     from cp_core.runtime.transport_registry import prepare_transport
 
     prepare_transport(select_transport(plan), plan)
@@ -85,7 +85,7 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     Yields the plan. Nested blocks are served by the innermost plan; leaving a block (also by
     an exception) restores the enclosing one.
     """
-    from cp_core.runtime.transports.allgather import select_transport
+    from cp_core.runtime.door import select_transport
     from cp_core.runtime.transport_registry import prepare_transport
 
     # The transport plans its communication and kernel pieces now, on the host, so that

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
-from cp_core.runtime.p2p_ring import p2p_attention, schedule_for
+from cp_core.plan.schedule import schedule_for
+from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.plan.record import AttentionPlan
-from cp_core.runtime.transports.allgather import allgather_sdpa, check_local_shapes, resolve_causal
+from cp_core.runtime.transports.allgather import allgather_sdpa
+from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cp_core.runtime.p2p_ring import p2p_attention, schedule_for
+from cp_core.plan.schedule import schedule_for
+from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.runtime.transports.p2p import P2PTransport
 from cp_core.placement.runs import RankRuns
 from cp_core.plan.record import AttentionPlan
-from cp_core.runtime.transports.allgather import check_local_shapes, resolve_causal
+from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
 
 

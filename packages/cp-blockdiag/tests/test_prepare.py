@@ -10,7 +10,7 @@ from cp_blockdiag import make_blockdiag_batch_and_ctx
 from cp_core import SimulatedCPMesh
 from cp_core.plan.crop import local_pieces
 from cp_core.runtime.intercept import active_plan
-from cp_core.runtime.p2p_ring import P2PSchedule, plan_rects
+from cp_core.plan.schedule import P2PSchedule, plan_rects
 from cp_core.testing.batches import packed_batch
 
 ROWS, SEQ = [[4, 7, 6, 4], [10, 3, 8]], 21

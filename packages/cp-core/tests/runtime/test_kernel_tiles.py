@@ -22,7 +22,7 @@ from cp_core.runtime.kernels.fused import (
     forward_pieces,
     kernel_calls,
 )
-from cp_core.runtime.p2p_ring import schedule_from_runs
+from cp_core.plan.schedule import schedule_from_runs
 from cp_core.plan.rects import document_rects
 from cp_core.plan.slices import CAUSAL, FULL, Piece
 from cp_core.placement.runs import RankRuns

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cp_core.runtime.kernels.fused import CPUFlashKernel, MathKernel, forward_pieces
-from cp_core.runtime.p2p_ring import _pack, build_schedule, rank_runs, schedule_from_runs
+from cp_core.plan.schedule import build_schedule, rank_runs, schedule_from_runs
+from cp_core.runtime.p2p_ring import _pack
 from cp_core.plan.record import AttentionPlan, DocumentMask
 from cp_core.plan.rects import INF, band_area, document_rects
 from cp_core.plan.slices import CAUSAL, Piece, index_runs
@@ -234,7 +235,7 @@ def test_real_keys_only_removes_exactly_the_pad_keys():
 def test_magi_with_a_pad_hole_is_planned_by_p2p():
     pytest.importorskip("cp_magi")
     from cp_core.runtime.intercept import active_plan
-    from cp_core.runtime.p2p_ring import schedule_for
+    from cp_core.plan.schedule import schedule_for
     from cp_core.comm.mesh import SimulatedCPMesh
     from cp_core.registry import build_sharder
 

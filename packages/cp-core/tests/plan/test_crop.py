@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cp_core.plan import crop
-from cp_core.runtime.p2p_ring import build_schedule, rank_runs, schedule_from_runs
+from cp_core.plan.schedule import build_schedule, rank_runs, schedule_from_runs
 from cp_core.plan.rects import document_rects
 from cp_core.placement.layout import ShardLayout
 from cp_core.placement.runs import RankRuns
