@@ -1,5 +1,5 @@
-"""Random packed document ids for te_thd's host tests (``test_te_host_slots``,
-``test_te_host_shard``), and a check that they are what those tests rely on: valid resolved
+"""Random packed document ids for te_thd's host tests (``test_host_slots``,
+``test_host_shard``), and a check that they are what those tests rely on: valid resolved
 ids that exercise pad at row starts and ends, holes, pad-only rows and hole-free rows."""
 
 from __future__ import annotations

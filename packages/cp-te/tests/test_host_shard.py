@@ -23,7 +23,7 @@ from cp_te.sharder import document_segments, shard_batch_thd
 from cp_te.stream import ThdStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_te_host_batches import random_ids  # noqa: E402
+from test_host_batches import random_ids  # noqa: E402
 
 CPS = (1, 2, 3, 8)
 

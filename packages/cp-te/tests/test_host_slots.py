@@ -24,7 +24,7 @@ from cp_te.partition import partition_rank_runs
 from cp_te.stream import ThdStream, segments_from_document_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_te_host_batches import random_ids  # noqa: E402
+from test_host_batches import random_ids  # noqa: E402
 
 CPS = (1, 2, 3, 8)
 

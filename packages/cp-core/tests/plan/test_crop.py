@@ -2,7 +2,7 @@
 
 ``schedule_from_runs`` (array operations, what the runtime uses) must give exactly the pieces
 and ranges of ``build_schedule``, the per-triple Python definition that
-``test_attention_slices.py`` checks against a pair-by-pair truth.
+``test_slices.py`` checks against a pair-by-pair truth.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_vectorised_schedule_equals_the_python_definition(monkeypatch, few):
 
 def test_vectorised_schedule_keeps_long_causal_documents_like_the_definition():
     # Documents far longer than a kernel's causal leaf: the plan keeps each causal square
-    # whole (the kernel tiles it, test_attention_tiles.py), in both computations alike.
+    # whole (the kernel tiles it, runtime/test_kernel_tiles.py), in both computations alike.
     rng = random.Random(3)
     for trial in range(4):
         cp, seq = rng.choice([1, 2, 4]), 1536

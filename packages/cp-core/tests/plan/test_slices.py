@@ -3,7 +3,7 @@
 Everything is checked against the pair-by-pair mask of ``cp_core.testing.reference_attention``
 and its float64 softmax, never against the library's own mask or kernel code. Multi-rank exchanges
 are simulated in one process here (every rank's pieces against buffers cut from the full K/V);
-the real gloo exchange is tested in ``test_attention_transport_multirank.py``.
+the real gloo exchange is tested in ``runtime/test_transports_multirank.py``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_simulated_ranks_match_truth(kind, window, chunk):
         truth = ref.dense_attention(q, k, v, allowed, 0.3)
         layout = _layout(rng, seq, cp)
         runs = rank_runs(layout)
-        # The runtime's vectorised schedule (test_attention_crop.py: equal to build_schedule).
+        # The runtime's vectorised schedule (test_crop.py: equal to build_schedule).
         scheds = [schedule_from_runs(rects, RankRuns.from_indices(layout), r) for r in range(cp)]
         for kernel in (CPUFlashKernel(), MathKernel()):
             got = torch.zeros_like(truth)
