@@ -24,24 +24,31 @@ EXPECTED_CONFIG_KEYS = {
 
 #: The declared plugin interface (cp_core.backend_api, docs/plugins.md): what backends may
 #: import. Adding or removing a name is a change of the plugin interface: do it here too.
+#: Recorded decisions: the shard pipeline (ShardOptions, StaticLayout, static_backend,
+#: static_sharder, shard_static, finish_shard) was added when static layouts became data; the
+#: index maps identity/round_robin and CPMeshLike (public in cp_core.__all__) and active_plan
+#: (the runtime's own lookup) left it, as no plugin imported them.
 EXPECTED_BACKEND_API = {
     "ATTENTION_KINDS", "AttentionKind", "AttentionPlan", "BOUNDARY_KEYS", "Backend", "BandRects",
     "CPAttentionError", "CPBackendConfig", "CPBatchError", "CPConfigError", "CPError",
-    "CPLayoutError", "CPMeshLike", "ConformanceSuite", "ContextParallelSharder", "CtxFactory",
+    "CPLayoutError", "ConformanceSuite", "ContextParallelSharder", "CtxFactory",
     "DEFAULT_BLOCK_BUDGET_BYTES", "DEFAULT_SENTINEL", "DocumentMask", "Documents",
     "FlatStreamConfig", "INF", "IndexFn", "NormalizedBatch", "RankRuns", "Segments",
     "ShardLayout", "ShardResult", "SimulatedCPMesh", "ThreadStack", "TransportOptions",
-    "activate_plan", "active_plan", "allgather_sdpa", "blocked_attention", "build_document_mask",
+    "activate_plan", "allgather_sdpa", "blocked_attention", "build_document_mask",
     "check_local_shapes", "contiguous_divisor", "contiguous_local_indices", "cp_group",
     "cp_rank", "cp_rank_pool", "cp_size", "differentiable_all_gather", "document_positions",
-    "fused_attention", "fused_schedule", "gather_kv", "identity_local_indices", "index_runs", "lcm", "make_plan",
+    "fused_attention", "fused_schedule", "gather_kv", "index_runs", "lcm", "make_plan",
     "make_transport_ctx", "normalize_batch", "resolve_primary", "normalize_with_documents",
     "pad_position_ids",
     "pad_seq_dim", "pad_value_for", "peer_failures", "per_chunk_multiple", "per_rank_divisor",
     "real_keys_only",
     "record_collective", "resolve_causal", "resolve_documents", "round_robin_divisor",
-    "round_robin_local_indices", "round_up", "shard_normalized", "thd_document_divisor",
+    "round_up", "shard_normalized", "thd_document_divisor",
     "without_document_keys",
+    # the one shard pipeline
+    "ShardOptions", "StaticLayout", "static_backend", "static_sharder", "shard_static",
+    "finish_shard",
 }
 
 

@@ -17,7 +17,11 @@ What a backend's ``shard_batch`` is built from, in the order it uses them:
   resolvers of documents (:func:`resolve_documents`), positions (:func:`document_positions`,
   :func:`pad_position_ids`), pad fills (:func:`pad_value_for`, :func:`pad_seq_dim`) and pad
   divisors (:mod:`cp_core.placement.padding`);
-* the shared pad-and-select procedure of static layouts (:func:`shard_normalized`);
+* the one shard pipeline (:mod:`cp_core.pipeline`): a static layout is data
+  (:class:`StaticLayout`) that :func:`static_backend` turns into a registrable backend; a
+  data-dependent backend computes its placement and ends with :func:`finish_shard`; the
+  options of a shard are one record (:class:`ShardOptions`); the shared pad-and-select
+  procedure of static layouts (:func:`shard_normalized`);
 * the attention plan and the context factory (:func:`build_document_mask`, :func:`make_plan`,
   :func:`make_transport_ctx`), and, for a backend that drives its own kernel, the transport
   building blocks (the SDPA checks, the kernels, the band rectangles, the differentiable
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cp_core.runtime.intercept import activate_plan, active_plan
+from cp_core.runtime.intercept import activate_plan
 from cp_core.runtime.kernels.blocked import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
 from cp_core.plan.schedule import fused_schedule
 from cp_core.runtime.p2p_ring import fused_attention
@@ -70,25 +74,29 @@ from cp_core.errors import (
     CPError,
     CPLayoutError,
 )
-from cp_core.builtin import (
+from cp_core.pipeline import (
     CtxFactory,
+    ShardOptions,
     ShardResult,
+    StaticLayout,
     build_document_mask,
+    finish_shard,
     make_plan,
     make_transport_ctx,
     normalize_with_documents,
-    shard_normalized,
+    shard_static,
+    static_backend,
+    static_sharder,
 )
+from cp_core.placement.select import shard_normalized
 from cp_core.placement.layout import (
     IndexFn,
     ShardLayout,
     contiguous_local_indices,
-    identity_local_indices,
     lcm,
-    round_robin_local_indices,
     round_up,
 )
-from cp_core.comm.mesh import CPMeshLike, SimulatedCPMesh, cp_group, cp_rank, cp_size
+from cp_core.comm.mesh import SimulatedCPMesh, cp_group, cp_rank, cp_size
 from cp_core.placement.padding import (
     contiguous_divisor,
     per_chunk_multiple,
@@ -116,9 +124,11 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     # records
     "Backend", "CPBackendConfig", "ContextParallelSharder", "ShardLayout", "RankRuns", "CtxFactory",
-    "ShardResult", "IndexFn", "FlatStreamConfig",
+    "ShardResult", "IndexFn", "FlatStreamConfig", "ShardOptions", "StaticLayout",
+    # the one shard pipeline
+    "static_backend", "static_sharder", "shard_static", "finish_shard",
     # mesh
-    "CPMeshLike", "SimulatedCPMesh", "cp_rank", "cp_size", "cp_group",
+    "SimulatedCPMesh", "cp_rank", "cp_size", "cp_group",
     # batch normaliser and resolvers
     "NormalizedBatch", "normalize_batch", "resolve_primary", "normalize_with_documents",
     "Documents",
@@ -126,12 +136,11 @@ __all__ = [
     "pad_seq_dim", "pad_value_for", "BOUNDARY_KEYS", "DEFAULT_SENTINEL", "Segments",
     # pad divisors and index maps
     "per_chunk_multiple", "per_rank_divisor", "contiguous_divisor", "round_robin_divisor",
-    "thd_document_divisor", "lcm", "round_up", "identity_local_indices",
-    "contiguous_local_indices", "round_robin_local_indices", "shard_normalized",
+    "thd_document_divisor", "lcm", "round_up", "contiguous_local_indices", "shard_normalized",
     # attention plan and context factory
     "AttentionKind", "ATTENTION_KINDS", "AttentionPlan", "DocumentMask", "TransportOptions",
     "build_document_mask",
-    "make_plan", "make_transport_ctx", "activate_plan", "active_plan",
+    "make_plan", "make_transport_ctx", "activate_plan",
     # transport building blocks
     "allgather_sdpa", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
+import dataclasses
 
 from pydantic import Field
 
+from cp_core.builtin import AUX_ONLY_LAYOUT, CONTIGUOUS_LAYOUT, IDENTITY_LAYOUT, ROUND_ROBIN_LAYOUT
 from cp_core.config import CPBackendConfig
-from cp_core.builtin import (
-    shard_batch_aux_only,
-    shard_batch_contiguous,
-    shard_batch_identity,
-    shard_batch_load_balanced,
-)
-from cp_core.placement.layout import (
-    contiguous_local_indices,
-    identity_local_indices,
-    round_robin_local_indices,
-)
-from cp_core.registry import Backend
-from cp_core.sharder import ContextParallelSharder
+from cp_core.pipeline import StaticLayout, static_backend
 
 
 class IdentityConfig(CPBackendConfig):
@@ -53,42 +41,15 @@ class AuxOnlyConfig(CPBackendConfig):
     not_honoured = {"padding_token_id": _PAD_ZERO}
 
 
-def _sharder(cfg: CPBackendConfig, cp_mesh: Any, tp_mesh: Any, shard_fn: Any, index_fn: Any,
-             **extra: Any) -> ContextParallelSharder:
-    return ContextParallelSharder(
-        shard_batch=partial(shard_fn, **cfg.common_shard_kwargs(tp_mesh), **extra),
-        local_token_global_indices=index_fn, cp_mesh=cp_mesh, tp_mesh=tp_mesh,
-        padding_token_id=cfg.padding_token_id, verify_layout=cfg.verify_layout,
-    )
+def _contiguous_layout(cfg: ContiguousConfig) -> StaticLayout:
+    """The contiguous layout, with the primary stream left full length when asked."""
+    return CONTIGUOUS_LAYOUT if cfg.shard_primary else \
+        dataclasses.replace(CONTIGUOUS_LAYOUT, shard_primary=False)
 
 
-def _identity(cfg: IdentityConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
-    kw = cfg.common_shard_kwargs(tp_mesh)
-    keep = {k: kw[k] for k in ("attention", "window", "chunk", "transport_options")}
-    return ContextParallelSharder(
-        shard_batch=partial(shard_batch_identity, **keep),
-        local_token_global_indices=identity_local_indices, cp_mesh=cp_mesh, tp_mesh=tp_mesh,
-        padding_token_id=cfg.padding_token_id, verify_layout=cfg.verify_layout,
-    )
-
-
-def _contiguous(cfg: ContiguousConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
-    return _sharder(cfg, cp_mesh, tp_mesh, shard_batch_contiguous, contiguous_local_indices,
-                    shard_primary=cfg.shard_primary)
-
-
-def _round_robin(cfg: RoundRobinConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
-    return _sharder(cfg, cp_mesh, tp_mesh, shard_batch_load_balanced, round_robin_local_indices)
-
-
-def _aux_only(cfg: AuxOnlyConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
-    return _sharder(cfg, cp_mesh, tp_mesh, shard_batch_aux_only, round_robin_local_indices)
-
-
-IDENTITY = Backend("identity", IdentityConfig, _identity, IdentityConfig.__doc__ or "")
-CONTIGUOUS = Backend("contiguous", ContiguousConfig, _contiguous, ContiguousConfig.__doc__ or "")
-ROUND_ROBIN = Backend("round_robin", RoundRobinConfig, _round_robin, RoundRobinConfig.__doc__ or "")
-AUX_ONLY = Backend("aux_only", AuxOnlyConfig, _aux_only, AuxOnlyConfig.__doc__ or "")
-
+IDENTITY = static_backend("identity", IdentityConfig, lambda cfg: IDENTITY_LAYOUT)
+CONTIGUOUS = static_backend("contiguous", ContiguousConfig, _contiguous_layout)
+ROUND_ROBIN = static_backend("round_robin", RoundRobinConfig, lambda cfg: ROUND_ROBIN_LAYOUT)
+AUX_ONLY = static_backend("aux_only", AuxOnlyConfig, lambda cfg: AUX_ONLY_LAYOUT)
 __all__ = ["IDENTITY", "CONTIGUOUS", "ROUND_ROBIN", "AUX_ONLY", "IdentityConfig",
            "ContiguousConfig", "RoundRobinConfig", "AuxOnlyConfig"]

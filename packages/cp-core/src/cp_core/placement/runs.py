@@ -18,6 +18,27 @@ import numpy as np
 import torch
 
 
+@dataclass(frozen=True)
+class Run:
+    """``length`` consecutive global positions from ``start``, held from local row ``local``."""
+
+    start: int
+    local: int
+    length: int
+
+
+def index_runs(index: torch.Tensor) -> list[Run]:
+    """Maximal runs of consecutive global positions in a 1-D index map (host, before forward)."""
+    idx = index.detach().to("cpu", torch.int64)
+    n = int(idx.numel())
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, n]
+    starts = idx[torch.tensor(bounds[:-1], dtype=torch.long)].tolist()
+    return [Run(int(g), a, b - a) for g, a, b in zip(starts, bounds[:-1], bounds[1:])]
+
+
 @dataclass(frozen=True, eq=False)
 class RankRuns:
     """Per rank, in local order, the global ``starts`` and ``lengths`` of its runs.
@@ -200,4 +221,4 @@ def peek_lazy(obj: Any, name: str) -> Any:
     return obj.__dict__.get(f"_lazy_{name}")
 
 
-__all__ = ["RankRuns", "install_lazy_indices", "install_deferred", "given_deferred", "peek_lazy"]
+__all__ = ["Run", "index_runs", "RankRuns", "install_lazy_indices", "install_deferred", "given_deferred", "peek_lazy"]

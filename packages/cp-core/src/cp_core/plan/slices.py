@@ -24,33 +24,12 @@ import bisect
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
 
+from cp_core.placement.runs import Run, index_runs
 from cp_core.plan.rects import INF, BandRects, band_area
 
 FULL, CAUSAL, BAND = 0, 1, 2
 PIECE_KINDS: tuple[str, ...] = ("full", "causal", "band")
-
-
-@dataclass(frozen=True)
-class Run:
-    """``length`` consecutive global positions from ``start``, held from local row ``local``."""
-
-    start: int
-    local: int
-    length: int
-
-
-def index_runs(index: torch.Tensor) -> list[Run]:
-    """Maximal runs of consecutive global positions in a 1-D index map (host, before forward)."""
-    idx = index.detach().to("cpu", torch.int64)
-    n = int(idx.numel())
-    if n == 0:
-        return []
-    breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
-    bounds = [0, *breaks, n]
-    starts = idx[torch.tensor(bounds[:-1], dtype=torch.long)].tolist()
-    return [Run(int(g), a, b - a) for g, a, b in zip(starts, bounds[:-1], bounds[1:])]
 
 
 class Piece(NamedTuple):
