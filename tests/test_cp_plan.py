@@ -280,3 +280,55 @@ def test_picture_helpers_mix_fine_ownership_mark_pads_and_skip_pad_ticks() -> No
     assert np.allclose(exact[0, 5], colours[1]) and not np.allclose(exact[0, -1], colours[3])
     assert document_starts(ids[0].numpy()).tolist() == [4000]  # not where the pad begins
     assert pad_runs(ids[0].numpy()) == [(seq - 3, seq)]
+
+
+def _definition_total(rows: list[list[int]], kind: str, window: int | None,
+                      chunk: int | None) -> int:
+    """Allowed pairs of the whole batch, counted document by document from the definition
+    (independent of any layout: every backend's ranks must add up to it)."""
+    total = 0
+    for lens in rows:
+        for n in lens:
+            for i in range(n):
+                for j in range(n):
+                    if kind == "bidirectional":
+                        ok = True
+                    elif kind == "causal":
+                        ok = j <= i
+                    elif kind == "sliding_window":
+                        ok = j <= i and i - j < int(window or 0)
+                    else:
+                        ok = j <= i and i // int(chunk or 1) == j // int(chunk or 1)
+                    total += ok
+    return total
+
+
+@pytest.mark.parametrize("backend", installed.loadable_backends(exclude=("aux_only",)))
+@pytest.mark.parametrize("kind, window, chunk", [
+    ("causal", None, None), ("bidirectional", None, None), ("sliding_window", 3, None),
+    ("chunked", None, 4)])
+def test_plan_work_is_the_schedules_and_adds_up(backend: str, kind: str, window: int | None,
+                                                chunk: int | None) -> None:
+    """cp-plan counts each rank's work from its p2p schedule (rectangles cropped to runs):
+    per rank equal to the pair-by-pair mask count, summed over ranks equal to the definition;
+    the received rows are those of the schedule the runtime runs."""
+    from cp_core.rank_stats import _active_plan, plan_layout
+    from cp_core.registry import build_sharder
+    from cp_core.comm.mesh import SimulatedCPMesh
+
+    rows = [[5, 9, 3, 7], [11, 6]]
+    batch = make_packed_batch(rows, 50, 0, pad_to=27)
+    cfg = {"backend": backend, "size": 1 if backend == "identity" else 3, "attention": kind,
+           "window": window, "chunk": chunk}
+    try:
+        plan = plan_layout(cfg, batch)
+    except CPConfigError as exc:  # a backend that does not serve this kind says so
+        pytest.skip(str(exc))
+    assert plan.total_work == _definition_total(rows, kind, window, chunk)
+    for r in plan.ranks:
+        sharder = build_sharder(cfg, SimulatedCPMesh(r.rank, plan.cp_size))
+        step = _active_plan(sharder.shard(batch)[0])
+        pair_by_pair = attention_work(_OpaqueMask(step.mask), step.q_index,
+                                      int(plan.padded_seq_len or 0), block_elements=64)
+        assert r.work == pair_by_pair
+        assert r.recv_rows is not None and (plan.cp_size > 1 or r.recv_rows == 0)

@@ -4,7 +4,9 @@ Everything here runs in one process: every rank of a CP group is played in turn 
 :class:`~cp_core.comm.mesh.SimulatedCPMesh`, so any installed backend can be planned without
 ``torch.distributed``. The attention work of a rank is the number of (query, key) pairs its
 local queries may attend under the attention plan its sharder built — the quantity that
-decides how long the rank's attention takes, and what load balancing tries to equalise.
+decides how long the rank's attention takes, and what load balancing tries to equalise. It is
+read from the rank's p2p schedule (band rectangles cropped to runs, the runtime's own plan),
+together with the key rows the rank receives; a mask without rectangles is counted in blocks.
 
 Nothing here branches on the backend: the plan is read from the ``ctx_factory`` every
 backend returns (the plan it activates), and the counts come from its mask.
@@ -37,12 +39,16 @@ class RankPlan:
         pad_tokens: local slots that are padding.
         work: allowed (query, key) pairs of the rank's local queries; None when the backend's
             context activates no :class:`AttentionPlan` to count them from.
+        recv_rows: key rows the rank receives from other ranks per attention call under the
+            ``p2p`` transport (each row is one K and one V vector per head); None when the
+            plan's mask cannot describe itself as band rectangles.
     """
 
     rank: int
     tokens: int
     pad_tokens: int
     work: int | None
+    recv_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,8 @@ class LayoutPlan:
             "original_seq_len": self.original_seq_len,
             "padded_seq_len": self.padded_seq_len,
             "ranks": [{"rank": r.rank, "tokens": r.tokens, "pad_tokens": r.pad_tokens,
-                       "work": r.work, "work_share": self.work_share(r.rank)}
+                       "work": r.work, "work_share": self.work_share(r.rank),
+                       "recv_rows": r.recv_rows}
                       for r in self.ranks],
             "total_work": self.total_work,
             "work_balance": self.work_balance,
@@ -193,6 +200,23 @@ def _document_mask_work(mask: DocumentMask, q_index: torch.Tensor) -> int:
     return int(counts.sum())
 
 
+def schedule_counts(plan: AttentionPlan) -> tuple[int, int] | None:
+    """``(allowed pairs, received key rows)`` of the plan's rank, read from its p2p schedule:
+    the step's band rectangles cropped to every rank's runs by the runtime's own planner, so
+    the counts cost O(rectangles x runs), never O(pairs). None for a mask that cannot describe
+    itself as rectangles."""
+    from cp_core.plan.schedule import plan_rects, schedule_for
+
+    rects = plan_rects(plan)
+    if rects is None:
+        return None
+    sched = schedule_for(plan)
+    assert sched is not None
+    # A piece of row -1 stands for every batch row of the rectangles.
+    pairs = sum(p.pairs * (rects.batch if p.b < 0 else 1) for p in sched.pieces())
+    return pairs, sched.recv_rows()
+
+
 def _pad_slots(local_batch: Mapping[str, Any], plan: AttentionPlan | None,
                layout: ShardLayout) -> tuple[int, int]:
     """``(tokens, pad_tokens)`` of a rank: from its local ``padding_mask`` when the backend
@@ -249,11 +273,15 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
         idx = layout.local_token_global_indices.to("cpu")
         owner[idx] = r
         tokens, pad = _pad_slots(local, plan, layout)
-        work = None
+        work = recv = None
         if plan is not None:
-            work = attention_work(plan.mask, plan.q_index, stream_len,
-                                  block_elements=block_elements)
-        ranks.append(RankPlan(rank=r, tokens=tokens, pad_tokens=pad, work=work))
+            counts = schedule_counts(plan)
+            if counts is not None:
+                work, recv = counts
+            else:
+                work = attention_work(plan.mask, plan.q_index, stream_len,
+                                      block_elements=block_elements)
+        ranks.append(RankPlan(rank=r, tokens=tokens, pad_tokens=pad, work=work, recv_rows=recv))
     assert owner is not None and first is not None
     return LayoutPlan(backend=backend.name, cp_size=size, ranks=tuple(ranks), owner=owner,
                       doc_ids=doc_ids, original_seq_len=first.original_seq_len,
@@ -261,4 +289,5 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
                       work_floor=first.work_floor)
 
 
-__all__ = ["RankPlan", "LayoutPlan", "attention_work", "plan_layout", "DEFAULT_BLOCK_ELEMENTS"]
+__all__ = ["RankPlan", "LayoutPlan", "attention_work", "schedule_counts", "plan_layout",
+           "DEFAULT_BLOCK_ELEMENTS"]
