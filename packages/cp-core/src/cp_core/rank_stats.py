@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from cp_core.plan.record import AttentionPlan, DocumentMask, TokenMask
+from cp_core.plan.rects import kind_bounds
 from cp_core.errors import CPConfigError, CPLayoutError
 from cp_core.placement.layout import ShardLayout
 from cp_core.comm.mesh import SimulatedCPMesh
@@ -158,16 +159,13 @@ def _blocked_work(mask: TokenMask, q_index: torch.Tensor, key_len: int,
 
 def _key_range(mask: DocumentMask, qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive document-position range ``[lo, hi]`` of the keys a query at ``qp`` sees
-    (within its own document), mirroring :meth:`DocumentMask.block`."""
-    big = torch.iinfo(torch.long).max // 4
-    if mask.kind == "bidirectional":
-        return torch.full_like(qp, -big), torch.full_like(qp, big)
-    if mask.kind == "sliding_window":
-        return qp - int(mask.window or 0) + 1, qp
+    (within its own document), from the one mask rule (:func:`kind_bounds`)."""
+    dlo, dhi = kind_bounds(mask.kind, mask.window)
+    lo, hi = qp + dlo, qp + dhi
     if mask.kind == "chunked":
         c = int(mask.chunk or 1)
-        return torch.div(qp, c, rounding_mode="floor") * c, qp
-    return torch.full_like(qp, -big), qp
+        lo = torch.maximum(lo, torch.div(qp, c, rounding_mode="floor") * c)
+    return lo, hi
 
 
 def _document_mask_work(mask: DocumentMask, q_index: torch.Tensor) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, get
 import torch
 
 from cp_core.placement.runs import RankRuns, install_lazy_indices
+from cp_core.plan.rects import kind_bounds
 
 if TYPE_CHECKING:
     from cp_core.plan.rects import BandRects
@@ -119,10 +120,9 @@ class DocumentMask:
             return allowed
         qp = self.doc_pos.index_select(1, q_index).unsqueeze(2)
         kp = self.doc_pos.index_select(1, k_index).unsqueeze(1)
-        allowed = allowed & (kp <= qp)
-        if self.kind == "sliding_window":
-            allowed = allowed & (qp - kp < int(self.window or 0))
-        elif self.kind == "chunked":
+        dlo, dhi = kind_bounds(self.kind, self.window)
+        allowed = allowed & (kp - qp >= dlo) & (kp - qp <= dhi)
+        if self.kind == "chunked":
             c = int(self.chunk or 1)
             allowed = allowed & (torch.div(qp, c, rounding_mode="floor")
                                  == torch.div(kp, c, rounding_mode="floor"))

@@ -60,6 +60,30 @@ class RectangleMask(Protocol):
         ...
 
 
+def kind_bounds(kind: str, window: int | None = None) -> tuple[int, int]:
+    """The one mask rule: the diagonal bounds ``dlo <= key - query <= dhi`` of attention
+    ``kind`` inside one document (or one chunk of it: chunked attention is causal within
+    chunks, see :func:`split_chunks`). Every mask, work count and plan derives from it."""
+    if kind == "bidirectional":
+        return -INF, INF
+    if kind == "sliding_window":
+        return -(int(window or 1) - 1), 0
+    return -INF, 0  # causal, chunked
+
+
+def split_chunks(starts: np.ndarray, ends: np.ndarray, chunk: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Documents ``[starts, ends)`` cut into chunks of ``chunk`` tokens measured from each
+    document's first token: ``(chunk starts, chunk ends, owning document index)``."""
+    st = np.asarray(starts, dtype=np.int64).reshape(-1)
+    en = np.asarray(ends, dtype=np.int64).reshape(-1)
+    count = -(-(en - st) // int(chunk))
+    owner = np.repeat(np.arange(st.size), count)
+    k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    cs = st[owner] + k * int(chunk)
+    return cs, np.minimum(cs + int(chunk), en[owner]), owner
+
+
 def band_area(qs: int, qe: int, ks: int, ke: int, dlo: int, dhi: int) -> int:
     """Allowed pairs of one rectangle: for every row, the length of its key interval."""
     if dlo > dhi:
@@ -125,12 +149,7 @@ def document_rects(doc_ids: torch.Tensor, kind: str, window: int | None = None,
     shared = bsz > 1 and bool((ids == ids[:1]).all())
     rows_to_plan = [0] if (bsz == 1 or shared) else list(range(bsz))
     out: list[tuple[int, ...]] = []
-    if kind == "bidirectional":
-        dlo, dhi = -INF, INF
-    elif kind == "sliding_window":
-        dlo, dhi = -(int(window or 1) - 1), 0
-    else:  # causal, chunked (chunks become sub-documents below)
-        dlo, dhi = -INF, 0
+    dlo, dhi = kind_bounds(kind, window)  # chunked: chunks become sub-documents below
     for b in rows_to_plan:
         tag = -1 if (bsz == 1 or shared) else b
         segs = _segments(ids[b])
@@ -180,19 +199,9 @@ def segment_rects(starts: Any, ends: Any, kind: str, window: int | None = None,
     st, en, rw = st[keep], en[keep], rw[keep]
     if kind == "chunked":
         # Every chunk of a document is a document of its own (measured from its first token).
-        c = int(chunk or 1)
-        count = -(-(en - st) // c)
-        first = np.repeat(st, count)
-        k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-        st = first + k * c
-        en = np.minimum(st + c, np.repeat(en, count))
-        rw = np.repeat(rw, count)
-    if kind == "bidirectional":
-        dlo, dhi = -INF, INF
-    elif kind == "sliding_window":
-        dlo, dhi = -(int(window or 1) - 1), 0
-    else:
-        dlo, dhi = -INF, 0
+        st, en, owner = split_chunks(st, en, int(chunk or 1))
+        rw = rw[owner]
+    dlo, dhi = kind_bounds(kind, window)
     out = np.empty((st.size, 7), np.int64)
     out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] = rw, st, en, st, en
     out[:, 5], out[:, 6] = dlo, dhi
@@ -218,5 +227,5 @@ def real_keys_only(rects: BandRects, real: torch.Tensor) -> BandRects:
     return BandRects(np.asarray(out, dtype=np.int64).reshape(-1, 7), rects.batch)
 
 
-__all__ = ["INF", "BandRects", "RectangleMask", "band_area", "document_rects", "segment_rects",
-           "real_keys_only"]
+__all__ = ["INF", "BandRects", "RectangleMask", "kind_bounds", "split_chunks", "band_area",
+           "document_rects", "segment_rects", "real_keys_only"]
