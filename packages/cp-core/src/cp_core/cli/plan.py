@@ -8,7 +8,8 @@ A Hydra app (every installed backend is selectable as ``cp=<name>``)::
     cp-plan -m cp=round_robin,te_thd,magi cp.size=4,8        # ends with one comparison table
 
 It prints, per rank, the token slots, the pad slots, the attention work (allowed query/key
-pairs under the backend's attention plan) and its share, then the max/mean balance.
+pairs under the backend's attention plan) and its share, and the key rows the rank receives
+per attention call under the p2p transport, then the max/mean balance.
 ``--plot FILE.png`` (or ``plan.plot=FILE.png``) draws token ownership above per-rank work bars.
 The batch is simulated on every rank in one process; no ``torch.distributed`` is needed.
 """
@@ -181,12 +182,15 @@ def format_plan(plan: LayoutPlan, description: str, shape: Sequence[int]) -> str
     lines = [f"cp-plan: backend={plan.backend} cp.size={plan.cp_size} batch={list(shape)} "
              f"from {description}",
              _stream_line(plan),
-             f"{'rank':>4}  {'tokens':>9}  {'pad':>7}  {'attention work':>16}  {'share':>7}"]
+             f"{'rank':>4}  {'tokens':>9}  {'pad':>7}  {'attention work':>16}  {'share':>7}  "
+             f"{'recv rows':>10}"]
     for r in plan.ranks:
         share = plan.work_share(r.rank)
         work = f"{r.work:,}" if r.work is not None else "n/a"
         share_s = f"{100 * share:6.2f}%" if share is not None else "    n/a"
-        lines.append(f"{r.rank:>4}  {r.tokens:>9,}  {r.pad_tokens:>7,}  {work:>16}  {share_s:>7}")
+        recv = f"{r.recv_rows:,}" if r.recv_rows is not None else "n/a"
+        lines.append(f"{r.rank:>4}  {r.tokens:>9,}  {r.pad_tokens:>7,}  {work:>16}  {share_s:>7}  "
+                     f"{recv:>10}")
     wb = plan.work_balance
     lines.append(
         f"max/mean: tokens {plan.token_balance:.4f}, attention work "
