@@ -155,3 +155,38 @@ def test_installed_backend_without_yaml_is_selectable(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose(config_name="config", overrides=["cp=aux_only", "cp.size=4"])
     assert cfg.cp.backend == "aux_only" and cfg.cp.size == 4
+
+
+def test_transports_load_through_the_same_rules() -> None:
+    """The transport group shares the backends' loader: a duplicate target is refused by
+    name, a broken import is chained, the transport protocol is checked at load."""
+    import importlib.metadata as md
+
+    from cp_core.plugins import EntryPointGroup
+    from cp_core.runtime.transport_registry import check_transport
+
+    def ep(name: str, value: str) -> md.EntryPoint:
+        return md.EntryPoint(name, value, "cp_core.transports")
+
+    group = EntryPointGroup("cp_core.transports", "attention transport", check_transport,
+                            entry_points=[
+                                ep("p2p", "cp_core.runtime.transports.p2p:p2p_sdpa"),
+                                ep("p2p", "somewhere.else:p2p_sdpa"),
+                                ep("gone", "no_such_module_xyz:fn"),
+                                ep("not_a_call", "cp_core.errors:__doc__"),
+                                ep("too_few", "cp_core.comm.mesh:cp_size"),
+                                ep("allgather",
+                                   "cp_core.runtime.transports.allgather:allgather_sdpa")],
+                            load_error=CPConfigError, not_found_error=CPConfigError)
+    assert callable(group.get("allgather"))
+    with pytest.raises(CPConfigError, match=r"more than once.*somewhere.else"):
+        group.get("p2p")
+    with pytest.raises(CPConfigError, match="failed to import") as info:
+        group.get("gone")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    with pytest.raises(CPConfigError, match="not callable"):
+        group.get("not_a_call")
+    with pytest.raises(CPConfigError, match="does not take the transport call"):
+        group.get("too_few")
+    with pytest.raises(CPConfigError, match=r"unknown attention transport 'nope'.*allgather"):
+        group.get("nope")

@@ -2,7 +2,8 @@
 
 Every import counts, deferred ones inside functions included: a stage that reaches upward,
 even lazily, is a stage that knows about its callers. ``cp_core.errors`` (the exception types)
-is a leaf every stage may import. The front door (registry, sharder, loss, hf, cli, testing,
+and the one plugin loader ``cp_core.plugins`` are leaves every stage may import (a leaf imports
+nothing of cp_core but the error types). The front door (registry, sharder, loss, hf, cli, testing,
 ...) may import any stage.
 """
 
@@ -16,7 +17,7 @@ from cp_core.testing.imports import package_modules
 
 SRC = Path(cp_core.__file__).resolve().parent
 STAGES = ("comm", "batch", "placement", "plan", "runtime")
-LEAVES = {"cp_core.errors"}
+LEAVES = {"cp_core.errors", "cp_core.plugins"}
 
 
 def stage_of(module: str) -> int:
@@ -56,6 +57,13 @@ def upward_imports(src: Path) -> list[str]:
 
 def test_stages_import_one_way() -> None:
     assert upward_imports(SRC) == []
+
+
+def test_leaves_import_only_the_errors() -> None:
+    mods = package_modules(SRC)
+    for leaf in LEAVES:
+        targets = {t for _, t in imported_modules(mods[leaf])}
+        assert targets <= {"cp_core.errors"}, (leaf, targets)
 
 
 def test_every_stage_is_a_folder() -> None:

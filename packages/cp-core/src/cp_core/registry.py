@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata as md
-import threading
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -20,8 +19,9 @@ from pydantic import ValidationError
 
 from cp_core.plan.record import ATTENTION_KINDS
 from cp_core.config import CPBackendConfig
-from cp_core.errors import CPBackendLoadError, CPBackendNotFoundError, CPConfigError
+from cp_core.errors import CPBackendLoadError, CPConfigError
 from cp_core.comm.mesh import cp_size
+from cp_core.plugins import EntryPointGroup
 from cp_core.sharder import ContextParallelSharder
 
 ENTRY_POINT_GROUP = "cp_core.backends"
@@ -91,79 +91,48 @@ def _format_validation(name: str, model: type[CPBackendConfig], exc: ValidationE
     return f"invalid configuration for CP backend {name!r}: " + "; ".join(lines)
 
 
+def _check_backend(name: str, ep: md.EntryPoint, obj: Any) -> "Backend":
+    """A backend entry point must hold a :class:`Backend` of the same name."""
+    if not isinstance(obj, Backend):
+        raise CPBackendLoadError(
+            f"entry point {name!r} ({ep.value}) gave a {type(obj).__name__}, "
+            "expected a cp_core.registry.Backend"
+        )
+    if obj.name != name:
+        raise CPBackendLoadError(
+            f"entry point {name!r} ({ep.value}) holds a Backend named {obj.name!r}"
+        )
+    return obj
+
+
+def _not_found(name: str, known: list[str]) -> str:
+    if name in KNOWN_EXTRAS:
+        return (f"CP backend {name!r} is not installed; install it with: {KNOWN_EXTRAS[name]} "
+                f"(installed backends: {known})")
+    return f"unknown CP backend {name!r}; available backends: {known}"
+
+
 class Registry:
-    """Entry points of one group, read once; backends imported on first use."""
+    """The installed backends: entry points read once, backends imported on first use (the
+    rules of :class:`cp_core.plugins.EntryPointGroup`, shared with the transports)."""
 
     def __init__(self, entry_points: Iterable[md.EntryPoint] | None = None,
                  group: str = ENTRY_POINT_GROUP) -> None:
         self.group = group
-        self._given = list(entry_points) if entry_points is not None else None
-        self._eps: dict[str, md.EntryPoint] | None = None
-        self._duplicates: dict[str, list[str]] = {}
-        self._loaded: dict[str, Backend] = {}
-        self._lock = threading.Lock()
-
-    def _scan(self) -> dict[str, md.EntryPoint]:
-        if self._eps is None:
-            eps = self._given if self._given is not None else list(md.entry_points(group=self.group))
-            found: dict[str, md.EntryPoint] = {}
-            for ep in eps:
-                if ep.name in found and found[ep.name].value != ep.value:
-                    self._duplicates.setdefault(ep.name, [found[ep.name].value]).append(ep.value)
-                    continue
-                found[ep.name] = ep
-            self._eps = found
-        return self._eps
+        self._plugins = EntryPointGroup(group, "CP backend", _check_backend,
+                                        entry_points=entry_points, not_found=_not_found)
 
     def available(self) -> tuple[str, ...]:
         """Names of installed backends (nothing is imported)."""
-        return tuple(sorted(self._scan()))
+        return self._plugins.available()
 
     def entry_points(self) -> Mapping[str, md.EntryPoint]:
         """Read-only view of the installed entry points by name."""
-        return MappingProxyType(dict(self._scan()))
+        return self._plugins.entry_points()
 
     def get(self, name: str) -> Backend:
         """Import and return the backend ``name``."""
-        eps = self._scan()
-        with self._lock:
-            if name in self._loaded:
-                return self._loaded[name]
-            if name in self._duplicates:
-                raise CPBackendLoadError(
-                    f"CP backend {name!r} is registered more than once ({self._duplicates[name]}); "
-                    "uninstall one of the packages that provide it"
-                )
-            if name not in eps:
-                raise CPBackendNotFoundError(self._not_found(name, eps))
-            try:
-                obj = eps[name].load()
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # SystemExit too: a plugin's import must not end us
-                raise CPBackendLoadError(
-                    f"CP backend {name!r} ({eps[name].value}) is installed but failed to import: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(obj, Backend):
-                raise CPBackendLoadError(
-                    f"entry point {name!r} ({eps[name].value}) gave a {type(obj).__name__}, "
-                    "expected a cp_core.registry.Backend"
-                )
-            if obj.name != name:
-                raise CPBackendLoadError(
-                    f"entry point {name!r} ({eps[name].value}) holds a Backend named {obj.name!r}"
-                )
-            self._loaded[name] = obj
-            return obj
-
-    @staticmethod
-    def _not_found(name: str, eps: Mapping[str, Any]) -> str:
-        known = sorted(eps)
-        if name in KNOWN_EXTRAS:
-            return (f"CP backend {name!r} is not installed; install it with: {KNOWN_EXTRAS[name]} "
-                    f"(installed backends: {known})")
-        return f"unknown CP backend {name!r}; available backends: {known}"
+        return self._plugins.get(name)
 
     def load_all(self) -> tuple[dict[str, Backend], dict[str, Exception]]:
         """Try every installed backend: ``(loaded, errors)``; a failure never stops the rest."""

@@ -7,18 +7,21 @@ forward), to build its host-side schedule so that nothing is planned inside the 
 
 cp-core registers ``allgather`` (the reference: every rank's K/V, blocked kernel), ``p2p``
 (the default: needed-only K/V peer by peer, fused kernels) and ``ulysses`` (all-to-all to
-head parallelism). Third-party packages add theirs
-under the same group; ``cp.transport=<name>`` selects one, and nothing branches on the name.
+head parallelism). Third-party packages add theirs under the same group;
+``cp.transport=<name>`` selects one, and nothing branches on the name. They load through the
+one plugin loader (:class:`cp_core.plugins.EntryPointGroup`), the backends' rules, and the
+transport protocol is checked at load (:func:`check_transport`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
-import threading
+import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from cp_core.errors import CPConfigError
+from cp_core.plugins import EntryPointGroup
 
 ENTRY_POINT_GROUP = "cp_core.transports"
 DEFAULT_TRANSPORT = "p2p"
@@ -31,59 +34,57 @@ _BUILTIN: dict[str, str] = {
     "ulysses": "cp_core.runtime.transports.ulysses:ulysses_sdpa",
 }
 
-_lock = threading.Lock()
-_loaded: dict[str, Callable[..., Any]] = {}
+#: Keywords of the transport call (torch's SDPA arguments after q, k, v).
+CALL_KEYWORDS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _entry_points() -> dict[str, str]:
-    found = dict(_BUILTIN)
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep.value)
-    return found
+def check_transport(name: str, ep: md.EntryPoint, obj: Any) -> Callable[..., Any]:
+    """The transport protocol, checked when a transport is loaded:
+    ``transport(q, k, v, plan, *, attn_mask, dropout_p, is_causal, scale, enable_gqa)``
+    (more keywords, or ``**kwargs``, are fine)."""
+    if not callable(obj):
+        raise CPConfigError(f"attention transport {name!r} ({ep.value}) is not callable")
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return obj
+    params = list(sig.parameters.values())
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    var_pos = any(p.kind is p.VAR_POSITIONAL for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    missing = [] if var_kw else [k for k in CALL_KEYWORDS if k not in sig.parameters]
+    if missing or (len(positional) < 4 and not var_pos):
+        raise CPConfigError(
+            f"attention transport {name!r} ({ep.value}) does not take the transport call "
+            f"(q, k, v, plan, *, {', '.join(CALL_KEYWORDS)})"
+            + (f": missing keywords {missing}" if missing else ": fewer than 4 positional "
+               "parameters")
+        )
+    return obj
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    return f"unknown attention transport cp.transport={name!r}; installed transports: {known}"
+
+
+_PLUGINS = EntryPointGroup(ENTRY_POINT_GROUP, "attention transport", check_transport,
+                           builtins=_BUILTIN, not_found=_unknown, load_error=CPConfigError,
+                           not_found_error=CPConfigError)
 
 
 def available_transports() -> tuple[str, ...]:
     """Names of the installed transports (nothing is imported)."""
-    return tuple(sorted(_entry_points()))
+    return _PLUGINS.available()
 
 
 def transport_entry_points() -> Mapping[str, str]:
     """Read-only ``name -> "module:attr"`` of every installed transport."""
-    return MappingProxyType(_entry_points())
+    return MappingProxyType({n: ep.value for n, ep in _PLUGINS.entry_points().items()})
 
 
 def get_transport(name: str) -> Callable[..., Any]:
     """Import and return the transport ``name``; :class:`CPConfigError` lists the others."""
-    with _lock:
-        if name in _loaded:
-            return _loaded[name]
-        eps = _entry_points()
-        if name not in eps:
-            raise CPConfigError(
-                f"unknown attention transport cp.transport={name!r}; installed transports: "
-                f"{sorted(eps)}"
-            )
-        module, _, attr = eps[name].partition(":")
-        try:
-            obj: Any = importlib_import(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except Exception as exc:
-            raise CPConfigError(
-                f"attention transport {name!r} ({eps[name]}) failed to import: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if not callable(obj):
-            raise CPConfigError(f"attention transport {name!r} ({eps[name]}) is not callable")
-        _loaded[name] = obj
-        return obj
-
-
-def importlib_import(module: str) -> Any:
-    """``importlib.import_module`` (a seam for tests that register fake transports)."""
-    import importlib
-
-    return importlib.import_module(module)
+    return _PLUGINS.get(name)
 
 
 def prepare_transport(transport: Callable[..., Any], plan: Any) -> None:
@@ -93,5 +94,5 @@ def prepare_transport(transport: Callable[..., Any], plan: Any) -> None:
         prepare(plan)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "DEFAULT_TRANSPORT", "available_transports",
-           "transport_entry_points", "get_transport", "prepare_transport"]
+__all__ = ["ENTRY_POINT_GROUP", "DEFAULT_TRANSPORT", "CALL_KEYWORDS", "available_transports",
+           "transport_entry_points", "get_transport", "check_transport", "prepare_transport"]
