@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cp_core.plan import crop
-from cp_core.plan.schedule import build_schedule, rank_runs, schedule_from_runs
+from cp_core.plan.schedule import schedule_from_runs
+from cp_core.testing.reference_plan import build_schedule, rank_runs
 from cp_core.plan.rects import document_rects
 from cp_core.placement.layout import ShardLayout
 from cp_core.placement.runs import RankRuns
@@ -168,7 +169,8 @@ def test_local_pieces_equal_the_python_definition():
     # fused_attention (a backend that moved the keys itself): this rank's queries over keys
     # already here, at any global positions.
     from cp_core.plan.crop import local_pieces
-    from cp_core.plan.slices import build_rank_slices, index_runs
+    from cp_core.plan.slices import index_runs
+    from cp_core.testing.reference_plan import build_rank_slices
 
     rng = random.Random(7)
     for trial in range(60):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cp_core.runtime.kernels.fused import CPUFlashKernel, MathKernel, forward_pieces
-from cp_core.plan.schedule import build_schedule, rank_runs, schedule_from_runs
+from cp_core.plan.schedule import schedule_from_runs
+from cp_core.testing.reference_plan import build_schedule, rank_runs
 from cp_core.runtime.p2p_ring import _pack
 from cp_core.plan.record import AttentionPlan, DocumentMask
 from cp_core.plan.rects import INF, band_area, document_rects

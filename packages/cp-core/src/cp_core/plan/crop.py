@@ -1,6 +1,6 @@
 """The p2p schedule from runs, vectorised: rectangles cropped to rank runs with numpy.
 
-:func:`cp_core.plan.slices.build_rank_slices` crops one (rectangle, query run, key run)
+:func:`cp_core.testing.reference_plan.build_rank_slices` crops one (rectangle, query run, key run)
 triple at a time in Python; that is the readable definition, and the test reference. This
 module computes the same crops for one rank with array operations over all triples at once:
 

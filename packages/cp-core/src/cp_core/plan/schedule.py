@@ -18,8 +18,7 @@ from cp_core.placement.runs import RankRuns
 from cp_core.plan.crop import local_pieces, schedule_parts
 from cp_core.plan.record import AttentionPlan
 from cp_core.plan.rects import BandRects
-from cp_core.plan.slices import (Piece, Run, build_rank_slices, index_runs,
-                                 merge_full_pieces, to_buffer_coords)
+from cp_core.plan.slices import Piece
 
 
 @dataclass
@@ -85,32 +84,10 @@ class P2PSchedule:
         return max((a + b for a, b in zip(lens[:-1], lens[1:])), default=0)
 
 
-def rank_runs(rank_indices: torch.Tensor) -> list[list[Run]]:
-    """Every rank's runs of consecutive global positions."""
-    return [index_runs(row) for row in rank_indices]
-
-
-def build_schedule(rects: BandRects, runs: list[list[Run]], rank: int) -> P2PSchedule:
-    """This rank's pieces and ring steps (see the module docstring)."""
-    size = len(runs)
-    mine = build_rank_slices(rects, runs[rank], {s: runs[s] for s in range(size)}, merge=False)
-    steps = []
-    for i in range(1, size):
-        src, dst = (rank - i) % size, (rank + i) % size
-        recv = mine.needed.get(src, [])
-        # Merged in the buffer only: ranges that touch on the owner touch there too, and
-        # ranges that were apart on the owner sit back to back.
-        pieces = merge_full_pieces(to_buffer_coords(mine.by_src.get(src, []), recv)) \
-            if recv else []
-        # What dst will ask of us: the same cropping, seen from dst's queries.
-        theirs = build_rank_slices(rects, runs[dst], {rank: runs[rank]}, pieces=False)
-        steps.append(RingStep(src, recv, pieces, dst, theirs.needed.get(rank, [])))
-    return P2PSchedule(rank, size, merge_full_pieces(mine.by_src.get(rank, [])), steps)
-
-
 def schedule_from_runs(rects: BandRects, runs: RankRuns, rank: int) -> P2PSchedule:
-    """:func:`build_schedule` computed from every rank's runs with array operations
-    (:mod:`cp_core.plan.crop`): the same pieces and ranges, O(rectangles x runs)."""
+    """This rank's pieces and ring steps, computed from every rank's runs with array
+    operations (:mod:`cp_core.plan.crop`), O(rectangles x runs). Its readable definition,
+    :func:`cp_core.testing.reference_plan.build_schedule`, is what the tests hold it to."""
     local, parts = schedule_parts(rects, runs, rank)
     return P2PSchedule(rank, runs.size, local, [RingStep(*p) for p in parts])
 
@@ -158,5 +135,5 @@ def fused_schedule(plan: AttentionPlan, k_index: torch.Tensor, cache_key: str = 
     return sched
 
 
-__all__ = ["P2PSchedule", "RingStep", "build_schedule", "rank_runs", "schedule_for",
+__all__ = ["P2PSchedule", "RingStep", "schedule_for",
            "schedule_from_runs", "plan_rects", "fused_schedule"]
