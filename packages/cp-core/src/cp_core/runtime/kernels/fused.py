@@ -319,6 +319,6 @@ def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: to
         _keys(dv, p).add_(gv.to(dv.dtype))
 
 
-__all__ = ["CAUSAL_LEAF", "causal_tiles", "kernel_calls", "PieceKernel", "CPUFlashKernel", "CUDAEfficientKernel", "MathKernel", "ExplicitKernel",
-           "kernel_for", "last_dim_contiguous",
-           "band_mask", "merge_into", "forward_pieces", "backward_pieces"]
+__all__ = ["CAUSAL_LEAF", "causal_tiles", "kernel_calls", "PieceKernel", "CPUFlashKernel",
+           "CUDAEfficientKernel", "MathKernel", "ExplicitKernel", "kernel_for",
+           "last_dim_contiguous", "band_mask", "merge_into", "forward_pieces", "backward_pieces"]
