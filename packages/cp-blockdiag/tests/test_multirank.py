@@ -252,3 +252,28 @@ class TestBlockDiagAuxOnlyConformance(ConformanceSuite):
 
     def model_forward(self) -> ForwardFn:
         return _contiguous_in_forward
+
+
+# -- public-SDPA semantics, sinks and soft-capping on the blockdiag route ---------------------
+
+
+@pytest.mark.parametrize("feature", ["mla_gqa_scale_strides", "sinks", "softcap_window_sinks",
+                                     "autocast_bf16"])
+@pytest.mark.parametrize(("cp", "exchange", "transport"), [
+    (2, "halo", "p2p"), (4, "a2a", "p2p"), (4, "allgather", "allgather")])
+def test_sdpa_features_match_truth(pool: RankPool, cp: int, exchange: str, transport: str,
+                                   feature: str) -> None:
+    """MLA, GQA, scale, strides, sinks, soft-capping and autocast through blockdiag's K/V
+    exchange and cp-core's kernels, against the float64 truth of
+    ``cp_core.testing.sdpa_features`` (fp32: output 1e-5, gradients 1e-4; bf16: 2e-2)."""
+    from cp_core.testing.sdpa_features import FEATURES, case_feature
+
+    results = pool.run(case_feature, transport, "blockdiag", cp, feature, 0,
+                       {"exchange": exchange})
+    autocast = FEATURES[feature][-1]
+    tol_out, tol_grad = (2e-2, 2e-2) if autocast else (1e-5, 1e-4)
+    for rank, res in enumerate(results[:cp]):
+        assert res["finite"], rank
+        errors = res["errors"]
+        assert errors["out"] <= tol_out, (rank, errors)
+        assert all(e <= tol_grad for n, e in errors.items() if n != "out"), (rank, errors)

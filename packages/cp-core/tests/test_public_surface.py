@@ -36,6 +36,7 @@ EXPECTED_BACKEND_API = {
     "FlatStreamConfig", "INF", "IndexFn", "NormalizedBatch", "RankRuns", "Segments",
     "ShardLayout", "ShardResult", "SimulatedCPMesh", "ThreadStack", "TransportOptions",
     "activate_plan", "allgather_sdpa", "blocked_attention", "build_document_mask",
+    "call_transport",
     "check_local_shapes", "contiguous_divisor", "contiguous_local_indices", "cp_group",
     "cp_rank", "cp_rank_pool", "cp_size", "differentiable_all_gather", "document_positions",
     "fused_attention", "fused_schedule", "gather_kv", "index_runs", "lcm", "make_plan",

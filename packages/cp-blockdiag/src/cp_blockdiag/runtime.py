@@ -25,6 +25,7 @@ from cp_core.backend_api import (
     ThreadStack,
     activate_plan,
     blocked_attention,
+    call_transport,
     check_local_shapes,
     fused_attention,
     fused_schedule,
@@ -79,7 +80,8 @@ def _cache_key(route: KVRoute) -> str:
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockDiagState,
-                     scale: float | None) -> torch.Tensor:
+                     scale: float | None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     plan, route = state.plan, state.route
     group = plan.group if plan.cp_size > 1 else None
     k_all, v_all, extra = exchange_kv(k, v, route, group)
@@ -89,20 +91,23 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: B
         # The reference kernel, kept selectable (cp.transport=allgather) for comparison.
         budget = int(plan.options.block_budget_bytes or DEFAULT_BLOCK_BUDGET_BYTES)
         return blocked_attention(q, k_all, v_all, q_index, k_index, plan.mask, scale=scale,
-                                 block_budget_bytes=budget)
+                                 block_budget_bytes=budget, sinks=sinks, softcap=softcap)
     # The exchanged keys feed cp-core's fused pieces (the same K/V index for every layer).
-    return fused_attention(q, k_all, v_all, plan, k_index, scale, cache_key=_cache_key(route))
+    return fused_attention(q, k_all, v_all, plan, k_index, scale, cache_key=_cache_key(route),
+                           sinks=sinks, softcap=softcap)
 
 
 def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                         *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         is_causal: bool = False, scale: float | None = None,
-                        enable_gqa: bool = False) -> torch.Tensor:
+                        enable_gqa: bool = False, sinks: torch.Tensor | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """cp_core transport entry: serve one intercepted SDPA call.
 
     The route comes from the active state when it belongs to ``plan``, else from the
     :class:`RoutedTransport` the blockdiag sharder put on ``plan.transport`` (a plan
-    activated without the blockdiag context).
+    activated without the blockdiag context). ``sinks`` (``[Hq]`` sink logits) and
+    ``softcap`` (logit soft-cap) are served by cp-core's kernels after the exchange.
     """
     state = _states.top()
     if state is None or state.plan is not plan:
@@ -112,9 +117,10 @@ def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
                 "inside the ctx_factory() returned by the blockdiag sharder"
             )
         state = BlockDiagState(plan, plan.transport.route)
+    # Checks first, on every rank alike: nothing has been exchanged yet.
     resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-    check_local_shapes(q, k, v, plan, enable_gqa)
-    return _local_attention(q, k, v, state, scale)
+    check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
+    return _local_attention(q, k, v, state, scale, sinks, softcap)
 
 
 @dataclass(frozen=True)
@@ -143,14 +149,17 @@ class RoutedTransport:
 def cp_blockdiag_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                       is_causal: bool = True, scale: float | None = None,
-                      enable_gqa: bool = False) -> torch.Tensor:
+                      enable_gqa: bool = False, *, sinks: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Per-document causal attention of this rank's queries across the contiguous shards.
 
     Same arguments as ``scaled_dot_product_attention`` (``is_causal`` defaults to True: the
     runtime serves causal attention, per document); ``q``/``k``/``v`` are this rank's
     ``[B, H, n_local, D]`` projections. K/V rows move by the step's exchange (all-gather,
     halo or all-to-all); gradients flow back to their owners. Must run inside the
-    blockdiag ``ctx_factory()``.
+    blockdiag ``ctx_factory()``. Served through cp-core's door, so it keeps the public SDPA's
+    semantics (autocast among them); ``sinks`` / ``softcap`` as in
+    :func:`blockdiag_transport`.
     """
     state = _states.top()
     if state is None:
@@ -158,8 +167,13 @@ def cp_blockdiag_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             "cp_blockdiag_sdpa needs an active blockdiag step: call it inside the ctx_factory() "
             "returned by the blockdiag sharder"
         )
-    return blockdiag_transport(q, k, v, state.plan, attn_mask=attn_mask, dropout_p=dropout_p,
-                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if not isinstance(state.plan.transport, RoutedTransport):
+        return blockdiag_transport(q, k, v, state.plan, attn_mask=attn_mask,
+                                   dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                   enable_gqa=enable_gqa, sinks=sinks, softcap=softcap)
+    return call_transport(state.plan, (q, k, v), {
+        "attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal,
+        "scale": scale, "enable_gqa": enable_gqa}, sinks=sinks, softcap=softcap)
 
 
 __all__ = [

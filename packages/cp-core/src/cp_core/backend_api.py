@@ -48,7 +48,7 @@ from cp_core.plan.record import (
 from cp_core.plan.rects import INF, BandRects, real_keys_only
 from cp_core.plan.slices import index_runs
 from cp_core.runtime.transports.allgather import allgather_sdpa, gather_kv
-from cp_core.runtime.door import check_local_shapes, resolve_causal
+from cp_core.runtime.door import call_transport, check_local_shapes, resolve_causal
 from cp_core.batch.normalise import (
     NormalizedBatch,
     normalize_batch,
@@ -142,7 +142,7 @@ __all__ = [
     "build_document_mask",
     "make_plan", "make_transport_ctx", "activate_plan",
     # transport building blocks
-    "allgather_sdpa", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
+    "allgather_sdpa", "call_transport", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
     "peer_failures",

@@ -8,10 +8,14 @@ backend's context:
   Hugging Face passes, and documents and padding from the sharder's plan: the caller passes no
   ``attention_mask`` and tells the sharder nothing about windows, so models whose layers mix
   sliding and full attention (Gemma 3) are exact;
+* attention sinks (gpt-oss's ``s_aux``) and logit soft-capping (Gemma 2's ``softcap``) are
+  passed to the transport (``sinks=``, ``softcap=``), which serves them exactly;
 * inside a sharder context no mask is built at all (the plan is the mask); outside one, the
-  mask and the attention are exactly those of ``attn_implementation="sdpa"``;
-* what the runtime cannot serve (logit soft-capping, attention sinks, dropout during
-  training) is refused with :class:`~cp_core.errors.CPAttentionError` naming the setting.
+  mask and the attention are exactly those of ``attn_implementation="sdpa"``, and a layer
+  with sinks or soft-capping (which sdpa cannot compute) runs cp-core's kernel over the same
+  mask (:func:`cp_core.runtime.local_attention.local_attention`);
+* what the runtime cannot serve (dropout during training) is refused with
+  :class:`~cp_core.errors.CPAttentionError` naming the setting.
 
 transformers stays optional (extra ``cp-core[hf]``); nothing else in cp_core imports it.
 """
@@ -23,6 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from cp_core.runtime.intercept import active_plan, serve_call
+from cp_core.runtime.local_attention import local_attention
 from cp_core.plan.kinds import call_kind, plan_for_kind
 from cp_core.errors import CPAttentionError
 from cp_core.placement.layout import ShardLayout
@@ -39,15 +44,14 @@ except ImportError as exc:  # pragma: no cover - exercised without transformers
 NAME = "cp"
 
 
+def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The layer's attention-sink logits: gpt-oss passes them as ``s_aux``."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
+
+
 def _refuse(module: Any, kwargs: dict[str, Any], dropout: float) -> None:
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    if kwargs.get("softcap") is not None:
-        raise CPAttentionError(
-            f"{layer} uses attention logit soft-capping (softcap={kwargs['softcap']}), which "
-            "the CP runtime does not serve; set the config's attn_logit_softcapping to None")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise CPAttentionError(f"{layer} uses attention sinks, which the CP runtime does not "
-                               "serve")
     if dropout and getattr(module, "training", False):
         raise CPAttentionError(
             f"{layer} has attention dropout {dropout} in training; set the config's "
@@ -61,17 +65,26 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          ) -> tuple[torch.Tensor, None]:
     """The ``"cp"`` attention function: ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out."""
     plan = active_plan()
+    sinks, softcap = _sinks(kwargs), kwargs.get("softcap")
     if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, is_causal=is_causal,
-                                      **kwargs)
+        if sinks is None and not softcap:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling,
+                                          is_causal=is_causal, **kwargs)
+        _refuse(module, kwargs, dropout)
+        # sdpa's rule: causal without a mask for more than one query row.
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        causal = query.shape[2] > 1 and attention_mask is None and causal
+        out = local_attention(query, key, value, attention_mask, causal, scaling, sinks=sinks,
+                              softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
     _refuse(module, kwargs, dropout)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     kind, window, chunk = call_kind(plan, causal, kwargs.get("sliding_window"))
     layer_plan = plan_for_kind(plan, kind, window, chunk)
     out = serve_call(layer_plan, (query, key, value), {
         "is_causal": kind != "bidirectional", "scale": scaling,
-        "enable_gqa": query.shape[1] != key.shape[1]})
+        "enable_gqa": query.shape[1] != key.shape[1]}, sinks=sinks, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 

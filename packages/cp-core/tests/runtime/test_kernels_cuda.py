@@ -82,3 +82,55 @@ def test_fused_pieces_on_cuda_match_masked_sdpa(dtype: torch.dtype, tol: float, 
     assert (out.double() - want).abs().max() <= tol * scale
     for got, leaf in zip((q.grad, k.grad, v.grad), leaves):
         assert (got.double() - leaf.grad).abs().max() <= tol * leaf.grad.abs().max() * 4
+
+
+@pytest.mark.parametrize("feature", ["mla", "sinks", "softcap", "autocast"])
+def test_fused_pieces_on_cuda_serve_the_features(feature: str) -> None:
+    """The CUDA pieces with MLA (V head size 48, q/k 64: padded for the memory-efficient op),
+    sinks (merged after the pieces), soft-capping (flash-attn's ``softcap`` where installed,
+    else the explicit kernel, tiled and band pieces included) and bf16 autocast around the
+    call, against the float64 truth with the features written out."""
+    from cp_core.plan.record import AttentionPlan
+    from cp_core.runtime.intercept import activate_plan, serve_call
+
+    dev = torch.device("cuda")
+    rows, seq = [[300, 25, 30]], 400  # a 300-token document: causal squares and full tiles
+    doc = ref.doc_ids_from_lengths(rows, seq).to(dev)
+    pos = ref.positions_from_lengths(rows, seq).to(dev)
+    kind, window = ("sliding_window", 64) if feature == "softcap" else ("causal", None)
+    mask = DocumentMask(doc, pos, kind, window)
+    idx = torch.arange(seq, device=dev)
+    plan = AttentionPlan(cp_mesh=None, cp_rank=0, cp_size=1, q_index=idx,
+                         rank_indices=idx[None], mask=mask, kind=kind,
+                         options={"transport": "p2p"})
+    g = torch.Generator(device=dev).manual_seed(2)
+    dtype = torch.bfloat16 if feature in ("softcap", "autocast") else torch.float32
+    dv = 48 if feature == "mla" else 64
+    q, k = (torch.randn(1, h, seq, 64, device=dev, generator=g, dtype=dtype,
+                        requires_grad=True) for h in (8, 2))
+    v = torch.randn(1, 2, seq, dv, device=dev, generator=g, dtype=dtype, requires_grad=True)
+    sinks = torch.randn(8, device=dev, generator=g, requires_grad=True) \
+        if feature in ("sinks", "autocast") else None
+    cap = 1.5 if feature == "softcap" else None
+    with activate_plan(plan), torch.autocast("cuda", dtype=torch.bfloat16,
+                                             enabled=feature == "autocast"):
+        out = serve_call(plan, (q, k, v), {"is_causal": True, "enable_gqa": True},
+                         sinks=sinks, softcap=cap)
+    assert out.dtype == (torch.bfloat16 if feature == "autocast" else dtype)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    allowed = ref.explicit_mask(doc.cpu(), pos.cpu(), kind, idx.tolist(), idx.tolist(),
+                                window).to(dev)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s64 = sinks.detach().double().requires_grad_() if sinks is not None else None
+    inputs = [t.bfloat16().double() for t in leaves] if feature == "autocast" else leaves
+    want = ref.dense_attention(*inputs, allowed, sinks=s64, softcap=cap)
+    want.backward(grad.double())
+    tol = 3e-2 if out.dtype == torch.bfloat16 else 2e-5
+    assert (out.double() - want).abs().max() <= tol * want.abs().max()
+    pairs = [(q.grad, leaves[0]), (k.grad, leaves[1]), (v.grad, leaves[2])]
+    got_leaf = [(a, b.grad) for a, b in pairs]
+    if sinks is not None:
+        got_leaf.append((sinks.grad, s64.grad))
+    for got, exp in got_leaf:
+        assert (got.double() - exp).abs().max() <= 4 * tol * exp.abs().max()

@@ -270,9 +270,15 @@ class MagiKernelTransport:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                  *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                  is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False) -> torch.Tensor:
-        """``scaled_dot_product_attention`` over the magi layout (see the module docstring)."""
+                 enable_gqa: bool = False, sinks: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        """``scaled_dot_product_attention`` over the magi layout (see the module docstring).
+
+        Attention sinks and logit soft-capping are not passed to the FFA kernel: such a call
+        goes to cp-core's all-gather transport, which serves both (``always``: refused)."""
         reason = self.unsupported_reason(q, k, v, plan)
+        if reason is None and (sinks is not None or softcap):
+            reason = "attention sinks and logit soft-capping are served by cp-core's kernels"
         if reason is not None:
             if self.mode == "always":
                 raise CPAttentionError(
@@ -281,7 +287,8 @@ class MagiKernelTransport:
                     "back to the cp-core transport"
                 )
             return allgather_sdpa(q, k, v, plan, attn_mask=attn_mask, dropout_p=dropout_p,
-                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                  sinks=sinks, softcap=softcap)
         # Same SDPA-argument rules as the cp-core transport (kind, dropout, explicit mask).
         resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
         check_local_shapes(q, k, v, plan, enable_gqa)

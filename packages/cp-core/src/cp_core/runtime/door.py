@@ -16,11 +16,30 @@ live here too:
     Any other mask raises: the transport builds masks from global positions and would
     otherwise drop the caller's mask silently.
   - ``dropout_p > 0`` raises.
-* :func:`check_local_shapes`: q/k/v hold this rank's local tokens.
+* :func:`check_local_shapes`: q/k/v hold this rank's local tokens, in shapes and dtypes the
+  public SDPA accepts (q/k one head size, V's may differ: MLA; GQA with ``enable_gqa``), and
+  sink logits, when given, are one per query head.
+
+Public-SDPA semantics at the door (:func:`call_transport`): under autocast the call behaves
+like ``scaled_dot_product_attention``, which is on autocast's lower-precision list: q, k and v
+(fp16/bf16/fp32; fp64 is left alone, as autocast does) are cast to the autocast dtype, the
+transport runs with autocast off (its kernels pick their own accumulation precision), and the
+output is in the autocast dtype. Strides are the kernels' business (a fused kernel gets
+last-dim-contiguous tensors, :func:`~cp_core.runtime.kernels.fused.last_dim_contiguous`).
+
+Beyond SDPA's arguments a transport takes two keyword arguments that attention functions
+(Hugging Face's ``"cp"``) pass through :func:`call_transport`: ``sinks`` (per-head sink
+logits, gpt-oss) and ``softcap`` (logit soft-capping, Gemma 2). A transport that does not
+declare them is refused by name when they are used.
+
+Every check here runs before any communication, on every rank alike (the ranks of a step see
+the same shapes), so a refused call raises on all ranks instead of leaving peers waiting.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import threading
 import weakref
 from typing import Any, Callable
@@ -29,6 +48,7 @@ import torch
 
 from cp_core.errors import CPAttentionError, CPConfigError
 from cp_core.plan.record import AttentionPlan
+from cp_core.runtime.kernels.amp import autocast_enabled, autocast_off
 
 # An additive mask entry at or below this is "masked": exp(-1e4) underflows to exactly 0 in
 # fp16, bf16, fp32 and fp64, so such an entry removes the key just like -inf does.
@@ -156,8 +176,10 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
 
 
 def check_local_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                       enable_gqa: bool) -> None:
-    """Raise :class:`CPAttentionError` unless q/k/v are ``[B, H, n_local, D]`` for this plan."""
+                       enable_gqa: bool, *, sinks: torch.Tensor | None = None) -> None:
+    """Raise :class:`CPAttentionError` unless q/k/v are ``[B, H, n_local, D]`` for this plan
+    (V's head size may differ from q/k's), of one dtype and device, and ``sinks`` (when
+    given) holds one logit per query head."""
     n_local = int(plan.q_index.numel())
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.dim() != 4:
@@ -186,6 +208,54 @@ def check_local_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
             f"query heads ({hq}) must be a multiple of key heads ({hkv}) and value heads "
             f"({v.shape[1]}) must equal key heads"
         )
+    if q.shape[-1] != k.shape[-1]:
+        raise CPAttentionError(
+            f"query and key head sizes differ: query {tuple(q.shape)}, key {tuple(k.shape)} "
+            "(scaled_dot_product_attention needs them equal; only value's may differ)"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise CPAttentionError(
+            f"query, key and value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype} "
+            "(scaled_dot_product_attention needs one dtype; under torch.autocast the CP "
+            "attention casts them itself)"
+        )
+    if not q.is_floating_point():
+        raise CPAttentionError(f"query, key and value must be floating point, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise CPAttentionError(
+            f"query, key and value are on different devices: {q.device}, {k.device}, {v.device}")
+    check_sinks(sinks, hq)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Raise :class:`CPAttentionError` unless ``sinks`` is None or ``num_heads`` floating
+    point logits (``[H]``, as gpt-oss's ``sinks`` parameter)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise CPAttentionError(
+            f"attention sinks must be a floating point tensor of {num_heads} logits (one per "
+            f"query head); got {type(sinks).__name__} "
+            f"{getattr(sinks, 'dtype', '')}".rstrip())
+    if sinks.numel() != num_heads or sinks.dim() != 1:
+        raise CPAttentionError(
+            f"attention sinks have shape {tuple(sinks.shape)}; expected [{num_heads}] (one "
+            "logit per query head)")
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """The logit soft-cap as a float (None or 0: no capping); raise
+    :class:`CPAttentionError` for anything but a finite positive number."""
+    if softcap is None or (isinstance(softcap, (int, float)) and softcap == 0):
+        return None
+    if isinstance(softcap, torch.Tensor) and softcap.numel() == 1:
+        softcap = float(softcap)
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) \
+            or not math.isfinite(softcap) or softcap <= 0:
+        raise CPAttentionError(
+            f"softcap={softcap!r}: the logit soft-cap must be a finite number > 0 (scores "
+            "become cap * tanh(s / cap)), or None")
+    return float(softcap)
 
 
 def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
@@ -206,9 +276,44 @@ def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
         raise CPAttentionError(str(exc)) from exc
 
 
-def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+_EXTRAS = ("sinks", "softcap")
+
+
+def _accepts(transport: Callable[..., Any], name: str) -> bool:
+    """Whether ``transport`` declares the keyword ``name`` (or takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(transport).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a C callable without a signature
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                 for p in params.values())
+
+
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as ``scaled_dot_product_attention`` sees them under autocast: fp16, bf16 and
+    fp32 tensors cast to the autocast dtype of their device type (fp64 left alone); unchanged
+    when autocast is off."""
+    device = q.device.type
+    if not autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if ok else t
+
+    return cast(q), cast(k), cast(v)
+
+
+def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                   sinks: torch.Tensor | None = None, softcap: float | None = None
                    ) -> torch.Tensor:
-    """Serve one ``scaled_dot_product_attention(*args, **kwargs)`` call with ``plan``."""
+    """Serve one ``scaled_dot_product_attention(*args, **kwargs)`` call with ``plan``.
+
+    ``sinks`` (``[Hq]`` sink logits) and ``softcap`` (logit soft-cap) are the attention
+    features beyond SDPA's arguments that an attention function may pass (see the module
+    docstring); they reach the transport as keyword arguments of the same names."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa")
     # scale and enable_gqa are keyword-only in torch's signature.
@@ -231,7 +336,24 @@ def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str,
     if missing:
         raise CPAttentionError(f"scaled_dot_product_attention is missing {missing}")
     q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
-    return select_transport(plan)(q, k, v, plan, **bound)
+    transport = select_transport(plan)
+    extras = {"sinks": sinks, "softcap": check_softcap(softcap)}
+    for name in _EXTRAS:
+        if extras[name] is None:
+            del extras[name]
+        elif not _accepts(transport, name):
+            raise CPAttentionError(
+                f"the attention transport {getattr(transport, 'name', transport)!r} does not "
+                f"take {name!r}, which this attention call uses; choose a transport that "
+                "serves it (cp.transport=p2p, ulysses or allgather)")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise CPAttentionError("scaled_dot_product_attention needs query, key and value tensors")
+    q, k, v = autocast_inputs(q, k, v)
+    # The transport's kernels choose their own precision (fp32 accumulation for half inputs):
+    # autocast, if on, must not recast their internal matmuls.
+    with autocast_off(q.device.type):
+        return transport(q, k, v, plan, **bound, **extras)
 
 
-__all__ = ["resolve_causal", "check_local_shapes", "select_transport", "call_transport"]
+__all__ = ["resolve_causal", "check_local_shapes", "check_sinks", "check_softcap",
+           "autocast_inputs", "select_transport", "call_transport"]

@@ -63,9 +63,13 @@ class _SDPAIntercept(TorchFunctionMode):
             _state.serving = False
 
 
-def serve_call(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def serve_call(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+               sinks: Any = None, softcap: float | None = None) -> Any:
     """Serve one SDPA-style call with ``plan`` outside the interception (an attention
-    interface calling the runtime directly), preparing the plan's transport first."""
+    interface calling the runtime directly), preparing the plan's transport first.
+
+    ``sinks`` / ``softcap``: attention sinks and logit soft-capping, passed to the transport
+    (:func:`cp_core.runtime.door.call_transport`)."""
     from cp_core.runtime.door import call_transport, select_transport
     from cp_core.runtime.transport_registry import prepare_transport
 
@@ -73,7 +77,7 @@ def serve_call(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any
     was = getattr(_state, "serving", False)
     _state.serving = True
     try:
-        return call_transport(plan, args, kwargs)
+        return call_transport(plan, args, kwargs, sinks=sinks, softcap=softcap)
     finally:
         _state.serving = was
 

@@ -34,7 +34,10 @@ from cp_core.runtime.kernels.fused import (
     forward_pieces,
     kernel_calls,
     kernel_for,
+    last_dim_contiguous,
 )
+from cp_core.runtime.kernels.sinks import add_sinks, sink_grad
+from cp_core.runtime.kernels.amp import autocast_off
 
 _TAG_KV, _TAG_KV_BWD, _TAG_GRAD = 0, 1, 2
 
@@ -108,8 +111,8 @@ class _P2PAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                sched: P2PSchedule, kernel: PieceKernel, scale: float, group: Any
-                ) -> torch.Tensor:
+                sinks: torch.Tensor | None, sched: P2PSchedule, kernel: PieceKernel,
+                scale: float, group: Any) -> torch.Tensor:
         acc_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, hq, n, _ = q.shape
         dk_ = k.shape[-1]
@@ -129,15 +132,27 @@ class _P2PAttention(torch.autograd.Function):
                 forward_pieces(kernel, q, buf[..., :dk_], buf[..., dk_:], calls[i], scale,
                                out_acc, lse_acc, tiled=True)
             del buf
+        if sinks is not None:  # the sink logits join the merge last (kernels/sinks.py)
+            lse_acc = add_sinks(out_acc, lse_acc, sinks.view(1, -1, 1))
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.save_for_backward(q, k, v, out, lse_acc, sinks)
         ctx.sched, ctx.kernel, ctx.scale, ctx.group = sched, kernel, scale, group
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        # Autocast (if the caller runs backward inside it) must not lower the kernels'
+        # fp32 arithmetic: the forward ran without it too (the door turned it off).
+        with autocast_off(q.device.type):
+            return _P2PAttention._backward(ctx, last_dim_contiguous(grad_out), q, k, v, out,
+                                           lse, sinks)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  sinks: torch.Tensor | None) -> tuple[Any, ...]:
         sched: P2PSchedule = ctx.sched
         kernel, scale, group = ctx.kernel, ctx.scale, ctx.group
         acc_dt = lse.dtype
@@ -170,8 +185,11 @@ class _P2PAttention(torch.autograd.Function):
             back = RingStep(step.dst, step.send_ranges, [], step.src, step.recv_ranges)
             in_flight = (_exchange_grad(group, dbuf, back, dkv, sched.stats), back)
         _land(in_flight, dkv)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sink_grad(grad_out, out, lse, sinks.view(1, -1, 1), (0, 2)).to(sinks.dtype)
         return (dq.to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype),
-                None, None, None, None)
+                dsinks, None, None, None, None)
 
 
 def _land(in_flight: tuple[_Exchange, RingStep] | None, dkv: torch.Tensor) -> None:
@@ -197,18 +215,25 @@ def _exchange_grad(group: Any, dbuf: torch.Tensor | None, back: RingStep, dkv: t
 
 
 def p2p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                  scale: float | None, kernel_name: str = "auto") -> torch.Tensor:
-    """Attention of this rank's ``q`` over the keys its pieces need (differentiable)."""
+                  scale: float | None, kernel_name: str = "auto", *,
+                  sinks: torch.Tensor | None = None, softcap: float | None = None
+                  ) -> torch.Tensor:
+    """Attention of this rank's ``q`` over the keys its pieces need (differentiable).
+
+    ``sinks``: per-query-head sink logits ``[Hq]`` (gradient returned); ``softcap``: the
+    logit soft-cap ``cap * tanh(s / cap)`` (served by a kernel that computes it)."""
     sched = schedule_for(plan)
     assert sched is not None
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     group = plan.group if plan.cp_size > 1 else None
-    kernel = kernel_for(q.device, kernel_name)
-    return _P2PAttention.apply(q, k, v, sched, kernel, s, group)
+    kernel = kernel_for(q.device, kernel_name, softcap)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    return _P2PAttention.apply(q, k, v, sinks, sched, kernel, s, group)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                    k_index: torch.Tensor, scale: float | None, cache_key: str = "fused"
+                    k_index: torch.Tensor, scale: float | None, cache_key: str = "fused", *,
+                    sinks: torch.Tensor | None = None, softcap: float | None = None
                     ) -> torch.Tensor:
     """Attention of ``q`` (the plan's local queries) over keys already on this rank whose
     global positions are ``k_index``, with the fused pieces of the plan's mask.
@@ -216,11 +241,13 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Att
     For a backend that moves K/V itself (blockdiag's exchanges): differentiable, with the
     gradients of ``k``/``v`` flowing back through whatever produced them. The pieces are
     :func:`fused_schedule`'s (built on the first call of a step unless the backend built them
-    when the context was entered).
+    when the context was entered). ``sinks`` / ``softcap`` as in :func:`p2p_attention`.
     """
     sched = fused_schedule(plan, k_index, cache_key)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _P2PAttention.apply(q, k, v, sched, kernel_for(q.device), s, None)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    kernel = kernel_for(q.device, "auto", softcap)
+    return _P2PAttention.apply(q, k, v, sinks, sched, kernel, s, None)
 
 
 __all__ = ["p2p_attention", "fused_attention", "kernel_pieces"]

@@ -62,10 +62,14 @@ def explicit_mask(doc: torch.Tensor, pos: torch.Tensor, kind: str, q_index: list
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, *, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Float64 softmax attention with K/V heads repeated for GQA; rows without keys give 0.
 
-    ``allowed`` is ``[B, Sq, Sk]``. Differentiable (float64 autograd).
+    ``allowed`` is ``[B, Sq, Sk]``. ``softcap``: scores become ``softcap * tanh(s / softcap)``
+    after scaling (Gemma 2's definition). ``sinks`` (``[Hq]``): one more logit per head joins
+    every row's softmax and its column is dropped before multiplying by V (gpt-oss's
+    definition). Differentiable (float64 autograd), the sinks included.
     """
     q64, k64, v64 = q.double(), k.double(), v.double()
     groups = q.shape[1] // k.shape[1]
@@ -73,8 +77,15 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     v64 = v64.repeat_interleave(groups, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q64 @ k64.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     m = allowed[:, None]
     # A huge negative (not -inf) keeps all-masked rows finite; multiplying by the mask then
     # zeroes them, and their gradient with them.
-    p = torch.softmax(s.masked_fill(~m, -1e300), dim=-1) * m
+    s = s.masked_fill(~m, -1e300)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1) * m
+    else:
+        column = sinks.double().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1] * m
     return p @ v64

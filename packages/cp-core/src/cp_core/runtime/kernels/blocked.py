@@ -13,6 +13,11 @@ same paper), so its memory is bounded by the same budget.
 
 A query row without any allowed key (a pad query, a rank holding only padding) gives output 0
 and zero gradients, never NaN.
+
+Logit soft-capping (``softcap``: scores ``cap * tanh(s / cap)``, Gemma 2) is applied to each
+block's scores, with its chain rule in the backward; attention sinks (``sinks``, one logit per
+query head, gpt-oss) join each row's log-sum-exp after the last key block
+(:mod:`cp_core.runtime.kernels.sinks`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 import torch
 
 from cp_core.errors import CPAttentionError
+from cp_core.runtime.kernels.sinks import add_sinks, sink_grad
+from cp_core.runtime.kernels.amp import autocast_off
 
 DEFAULT_BLOCK_BUDGET_BYTES: int = 64 << 20
 
@@ -74,13 +81,29 @@ def _ranges(n: int, step: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, n)) for s in range(0, n, step)]
 
 
+def _capped(s: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(cap * tanh(s / cap), tanh(s / cap))``, or ``(s, None)`` without a cap."""
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def grouped_sinks(sinks: torch.Tensor | None, hkv: int) -> torch.Tensor | None:
+    """Per-query-head sink logits ``[Hq]`` as ``[1, Hkv, G, 1]``, to broadcast over the
+    grouped layout's ``[B, Hkv, G, Sq]`` rows."""
+    return None if sinks is None else sinks.reshape(1, hkv, -1, 1)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor,
-                      k_index: torch.Tensor, mask: Any, scale: float, rows: int, cols: int
+                      k_index: torch.Tensor, mask: Any, scale: float, rows: int, cols: int,
+                      sinks: torch.Tensor | None = None, softcap: float | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocked online-softmax forward in the grouped layout of :class:`_BlockedAttention`.
 
     Returns ``(out, lse)`` in the compute dtype; rows without an allowed key have out 0 and
-    lse 0. No autograd: callers wrap it in their own ``autograd.Function``.
+    lse 0 (the sink logit when there are ``sinks``: ``[Hq]``, see :func:`grouped_sinks`).
+    No autograd: callers wrap it in their own ``autograd.Function``.
     """
     cdt = compute_dtype(q.dtype)
     bsz, hkv, grp, sq, _ = q.shape
@@ -98,7 +121,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index
             allowed = _allowed(mask, q_index[r0:r1], k_index[c0:c1], bsz, q.device)
             if not bool(allowed.any()):
                 continue  # e.g. the upper triangle of causal attention: nothing to add
-            s = (qb @ kc[:, :, c0:c1].transpose(-1, -2)) * scale
+            s, _ = _capped((qb @ kc[:, :, c0:c1].transpose(-1, -2)) * scale, softcap)
             s = s.view(bsz, hkv, grp, n, c1 - c0).masked_fill(~allowed, -math.inf)
             new_max = torch.maximum(row_max, s.amax(-1))
             # A row with no allowed key so far keeps max -inf; shifting by 0 instead keeps
@@ -113,6 +136,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index
         has_key = row_sum > 0
         safe_sum = torch.where(has_key, row_sum, torch.ones_like(row_sum))
         out[:, :, :, r0:r1] = acc / safe_sum.unsqueeze(-1)
+        if sinks is not None:
+            keys_lse = torch.where(has_key, row_max + torch.log(safe_sum),
+                                   torch.full_like(row_sum, -math.inf))
+            lse[:, :, :, r0:r1] = add_sinks(out[:, :, :, r0:r1], keys_lse,
+                                            grouped_sinks(sinks, hkv))
+            continue
         # Rows without keys get lse 0: finite, and the backward masks them to p == 0.
         lse[:, :, :, r0:r1] = torch.where(has_key, row_max + torch.log(safe_sum),
                                           torch.zeros_like(row_sum))
@@ -121,10 +150,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor,
                        k_index: torch.Tensor, mask: Any, scale: float, rows: int, cols: int,
-                       out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
+                       out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                       softcap: float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recomputing backward of :func:`attention_forward`: ``(dq, dk, dv)`` in the compute
-    dtype, scores rebuilt block by block from ``lse`` (nothing quadratic was saved)."""
+    dtype, scores rebuilt block by block from ``lse`` (nothing quadratic was saved). The sink
+    gradient, when there are sinks, is :func:`~cp_core.runtime.kernels.sinks.sink_grad`."""
     cdt = out.dtype
     bsz, hkv, grp, sq, d = q.shape
     dv = v.shape[-1]
@@ -147,11 +178,14 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_inde
             if not bool(allowed.any()):
                 continue
             m = c1 - c0
-            s = (qb @ kc[:, :, c0:c1].transpose(-1, -2)) * scale
+            s, t = _capped((qb @ kc[:, :, c0:c1].transpose(-1, -2)) * scale, softcap)
             s = s.view(bsz, hkv, grp, n, m).masked_fill(~allowed, -math.inf)
             p = torch.exp(s - lse_b)  # masked entries: exp(-inf) == 0
             dp = (gob @ vc[:, :, c0:c1].transpose(-1, -2)).view(bsz, hkv, grp, n, m)
-            ds = (p * (dp - delta_b)).view(bsz, hkv, grp * n, m)
+            ds = p * (dp - delta_b)
+            if t is not None:  # chain rule of cap * tanh(s / cap)
+                ds = ds * (1 - t * t).view(bsz, hkv, grp, n, m)
+            ds = ds.view(bsz, hkv, grp * n, m)
             p2 = p.view(bsz, hkv, grp * n, m)
             dvv[:, :, c0:c1] += p2.transpose(-1, -2) @ gob
             dqb += (ds @ kc[:, :, c0:c1]) * scale
@@ -170,21 +204,29 @@ class _BlockedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                q_index: torch.Tensor, k_index: torch.Tensor, mask: Any, scale: float,
-                rows: int, cols: int) -> torch.Tensor:
-        out, lse = attention_forward(q, k, v, q_index, k_index, mask, scale, rows, cols)
-        ctx.save_for_backward(q, k, v, q_index, k_index, out, lse)
-        ctx.mask, ctx.scale, ctx.rows, ctx.cols = mask, scale, rows, cols
+                sinks: torch.Tensor | None, q_index: torch.Tensor, k_index: torch.Tensor,
+                mask: Any, scale: float, rows: int, cols: int, softcap: float | None
+                ) -> torch.Tensor:
+        with autocast_off(q.device.type):
+            out, lse = attention_forward(q, k, v, q_index, k_index, mask, scale, rows, cols,
+                                         sinks, softcap)
+        ctx.save_for_backward(q, k, v, q_index, k_index, out, lse, sinks)
+        ctx.mask, ctx.scale, ctx.rows, ctx.cols, ctx.softcap = mask, scale, rows, cols, softcap
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        q, k, v, q_index, k_index, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, q_index, k_index, ctx.mask, ctx.scale,
-                                        ctx.rows, ctx.cols, out, lse, grad_out)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None)
+        q, k, v, q_index, k_index, out, lse, sinks = ctx.saved_tensors
+        with autocast_off(q.device.type):
+            dq, dk, dv = attention_backward(q, k, v, q_index, k_index, ctx.mask, ctx.scale,
+                                            ctx.rows, ctx.cols, out, lse, grad_out,
+                                            ctx.softcap)
+            dsinks = None if sinks is None else sink_grad(
+                grad_out, out, lse, grouped_sinks(sinks, k.shape[1]), (0, 3)
+            ).reshape(-1).to(sinks.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks,
+                None, None, None, None, None, None, None)
 
 
 def prepare_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -224,7 +266,9 @@ def prepare_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor,
                       k_index: torch.Tensor, mask: Any = None, *, scale: float | None = None,
-                      block_budget_bytes: int = DEFAULT_BLOCK_BUDGET_BYTES) -> torch.Tensor:
+                      block_budget_bytes: int = DEFAULT_BLOCK_BUDGET_BYTES,
+                      sinks: torch.Tensor | None = None, softcap: float | None = None
+                      ) -> torch.Tensor:
     """Attention of local queries over keys named by global indices, differentiable.
 
     Args:
@@ -236,6 +280,8 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index
             the allowed pairs of a block. None lets every query see every key.
         scale: score scale, ``1/sqrt(D)`` by default.
         block_budget_bytes: largest score block (bytes in the compute dtype) built at once.
+        sinks: per-query-head sink logits ``[Hq]`` (gpt-oss), or None; differentiable.
+        softcap: logit soft-cap (scores ``cap * tanh(s / cap)``, Gemma 2), or None.
 
     Returns:
         ``[B, Hq, Sq, Dv]`` in ``q.dtype`` (computed in fp32 for half inputs). Rows with no
@@ -243,10 +289,11 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index
     """
     q5, scale, rows, cols = prepare_attention(q, k, v, q_index, k_index, scale,
                                               block_budget_bytes)
-    out = _BlockedAttention.apply(q5, k, v, q_index, k_index,
-                                  AllowAll() if mask is None else mask, scale, rows, cols)
+    out = _BlockedAttention.apply(q5, k, v, sinks, q_index, k_index,
+                                  AllowAll() if mask is None else mask, scale, rows, cols,
+                                  softcap or None)
     return out.reshape(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
 
 __all__ = ["blocked_attention", "prepare_attention", "attention_forward", "attention_backward",
-           "block_sizes", "compute_dtype", "AllowAll", "DEFAULT_BLOCK_BUDGET_BYTES"]
+           "grouped_sinks", "block_sizes", "compute_dtype", "AllowAll", "DEFAULT_BLOCK_BUDGET_BYTES"]

@@ -6,13 +6,21 @@ merged with the online-softmax rule (FlashAttention, Dao et al. 2022, arXiv:2205
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-The backward of a piece is the fused kernel's own backward, given the *final* output and LSE
-of its rows: it rebuilds the piece's probabilities as ``exp(s - lse_final)``, which are the
-true global probabilities, so the pieces' gradients add up to the exact gradient.
+Attention sinks join the same merge as one more score without a value
+(:mod:`cp_core.runtime.kernels.sinks`). The backward of a piece is the fused kernel's own
+backward, given the *final* output and LSE of its rows: it rebuilds the piece's probabilities
+as ``exp(s - lse_final)``, which are the true global probabilities, so the pieces' gradients
+add up to the exact gradient.
 
 Kernels: on CPU PyTorch's fused flash-attention op for CPU (GQA natively, fp32 / bf16 / fp16 /
 fp64); on CUDA the memory-efficient SDPA op (K/V heads repeated per piece for GQA, since that
-op has no GQA); :class:`MathKernel` is the plain reference used by tests and for other devices.
+op has no GQA). Both are called as the public SDPA would call them: a tensor whose last dim is
+not contiguous is copied first (the CPU op silently reads such a tensor wrong), and a V head
+size other than q/k's (MLA) is padded with zeros to the larger size and the result sliced
+(zero columns change no score and no output). Logit soft-capping goes to flash-attn's kernel
+on CUDA where installed (:mod:`cp_core.runtime.kernels.softcap_cuda`), else to the
+explicit-score kernel (:mod:`cp_core.runtime.kernels.explicit`), which is also the plain
+reference :class:`MathKernel`.
 """
 
 from __future__ import annotations
@@ -22,18 +30,19 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from cp_core.plan.slices import BAND, CAUSAL, FULL, Piece
+from cp_core.runtime.kernels.explicit import CAUSAL_LEAF, ExplicitKernel, MathKernel
 
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-
-#: Causal squares larger than this are computed by the CPU kernels as two causal halves and
-#: a full rectangle (recursively). They compute whole tiles across the diagonal; measured with
-#: PyTorch's CPU flash op (one thread), forward+backward of a causal square of 512-4096 rows
-#: took 0.77-0.89x the time of the single call when cut down to leaves of 128-256 rows.
-CAUSAL_LEAF = 256
+# CAUSAL_LEAF (from the explicit kernel, shared): causal squares larger than this are
+# computed by the CPU kernels as two causal halves and a full rectangle (recursively). They
+# compute whole tiles across the diagonal; measured with PyTorch's CPU flash op (one thread),
+# forward+backward of a causal square of 512-4096 rows took 0.77-0.89x the time of the single
+# call when cut down to leaves of 128-256 rows.
 
 
 class PieceKernel(Protocol):
@@ -58,21 +67,67 @@ class PieceKernel(Protocol):
         ...
 
 
-class CPUFlashKernel:
-    """PyTorch's fused CPU flash-attention forward and backward ops."""
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when its last dim is not contiguous (stride != 1), as the public SDPA
+    does before calling a fused kernel."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
+    return t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1]))
+
+
+class _EqualHeadDims:
+    """A fused op that needs q, k and v of one head size and stride-1 last dims: MLA's
+    smaller (or larger) V is zero-padded to the common size and the result sliced back."""
 
     causal_leaf: int | None = CAUSAL_LEAF
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
-        return _CPU_FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        d, dv = q.shape[-1], v.shape[-1]
+        m = max(d, dv)
+        q, k, v = (last_dim_contiguous(_pad(t, m)) for t in (q, k, v))
+        out, lse = self._fwd(q, k, v, causal, mask, scale)
+        return (out if dv == m else out[..., :dv]), lse
 
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
                  mask: torch.Tensor | None, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :class:`PieceKernel`."""
+        d, dv = q.shape[-1], v.shape[-1]
+        m = max(d, dv)
+        grad_out, q, k, v, out = (last_dim_contiguous(_pad(t, m))
+                                  for t in (grad_out, q, k, v, out))
+        gq, gk, gv = self._bwd(grad_out, q, k, v, out, lse, causal, mask, scale)
+        if d == dv:
+            return gq, gk, gv
+        return gq[..., :d], gk[..., :d], gv[..., :dv]
+
+    def _fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _bwd(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class CPUFlashKernel(_EqualHeadDims):
+    """PyTorch's fused CPU flash-attention forward and backward ops."""
+
+    causal_leaf: int | None = CAUSAL_LEAF
+
+    def _fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return _CPU_FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+    def _bwd(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _CPU_BWD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
@@ -80,7 +135,7 @@ def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-class CUDAEfficientKernel:
+class CUDAEfficientKernel(_EqualHeadDims):
     """PyTorch's memory-efficient SDPA op on CUDA.
 
     Some releases return the LSE padded to a multiple of 32 rows: it is sliced for the merge
@@ -99,9 +154,8 @@ class CUDAEfficientKernel:
             return None
         return mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :class:`PieceKernel`."""
+    def _fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         g = q.shape[1] // k.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, _repeat_kv(k, g), _repeat_kv(v, g), self._bias(mask, q), True, 0.0, causal,
@@ -109,11 +163,9 @@ class CUDAEfficientKernel:
         self.pads_lse = self.pads_lse or lse.shape[-1] > q.shape[2]
         return out, lse[..., : q.shape[2]]
 
-    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                 mask: torch.Tensor | None, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See :class:`PieceKernel`."""
+    def _bwd(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = q.shape[1] // k.shape[1]
         pad = (-q.shape[2]) % 32 if self.pads_lse else 0
         lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
@@ -129,61 +181,20 @@ class CUDAEfficientKernel:
         return dq, dk, dv
 
 
-class MathKernel:
-    """Plain-torch attention with explicit scores: the reference the fused kernels match.
+def kernel_for(device: torch.device, name: str = "auto", softcap: float | None = None
+               ) -> PieceKernel:
+    """The fused kernel of ``device`` (``name="math"``: the reference kernel).
 
-    Causal squares reach it in leaves too: its score matrix is ``nq x nk``."""
+    With a logit soft-cap: flash-attn's kernel on CUDA where it is installed, otherwise the
+    explicit-score kernel (the same numbers, computed from explicit capped scores)."""
+    if softcap:
+        if name != "math" and device.type == "cuda":
+            from cp_core.runtime.kernels.softcap_cuda import flash_softcap_kernel
 
-    causal_leaf: int | None = CAUSAL_LEAF
-
-    @staticmethod
-    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None,
-                scale: float) -> tuple[torch.Tensor, torch.dtype]:
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        b, hq, nq, d = q.shape
-        hkv = k.shape[1]
-        qg = q.to(cdt).reshape(b, hkv, (hq // hkv) * nq, d)
-        s = (qg @ k.to(cdt).transpose(-1, -2)).view(b, hq, nq, -1) * scale
-        if causal:
-            tri = torch.ones(nq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-            s = s.masked_fill(~tri, -math.inf)
-        if mask is not None:
-            s = s + mask.to(cdt)
-        return s, cdt
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :class:`PieceKernel`."""
-        s, cdt = self._scores(q, k, causal, mask, scale)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse.unsqueeze(-1))
-        b, hq, nq, nk = p.shape
-        hkv = v.shape[1]
-        out = (p.view(b, hkv, -1, nk) @ v.to(cdt)).view(b, hq, nq, -1)
-        return out.to(q.dtype), lse
-
-    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                 mask: torch.Tensor | None, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See :class:`PieceKernel`."""
-        s, cdt = self._scores(q, k, causal, mask, scale)
-        b, hq, nq, nk = s.shape
-        hkv, g = k.shape[1], hq // k.shape[1]
-        p = torch.exp(s - lse.to(cdt).unsqueeze(-1))
-        go = grad_out.to(cdt)
-        delta = (go * out.to(cdt)).sum(-1, keepdim=True)
-        dp = (go.reshape(b, hkv, g * nq, -1) @ v.to(cdt).transpose(-1, -2)).view(b, hq, nq, nk)
-        ds = p * (dp - delta)
-        dv = p.reshape(b, hkv, g * nq, nk).transpose(-1, -2) @ go.reshape(b, hkv, g * nq, -1)
-        dsg = ds.reshape(b, hkv, g * nq, nk)
-        dq = (dsg @ k.to(cdt)).view(b, hq, nq, -1) * scale
-        dk = (dsg.transpose(-1, -2) @ q.to(cdt).reshape(b, hkv, g * nq, -1)) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def kernel_for(device: torch.device, name: str = "auto") -> PieceKernel:
-    """The fused kernel of ``device`` (``name="math"``: the reference kernel)."""
+            found = flash_softcap_kernel(softcap)
+            if found is not None:
+                return found
+        return ExplicitKernel(softcap)
     if name == "math":
         return MathKernel()
     if device.type == "cpu":
@@ -308,5 +319,6 @@ def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: to
         _keys(dv, p).add_(gv.to(dv.dtype))
 
 
-__all__ = ["CAUSAL_LEAF", "causal_tiles", "kernel_calls", "PieceKernel", "CPUFlashKernel", "CUDAEfficientKernel", "MathKernel", "kernel_for",
-           "band_mask", "merge_into", "forward_pieces", "backward_pieces"]
+__all__ = ["CAUSAL_LEAF", "causal_tiles", "kernel_calls", "PieceKernel", "CPUFlashKernel",
+           "CUDAEfficientKernel", "MathKernel", "ExplicitKernel", "kernel_for",
+           "last_dim_contiguous", "band_mask", "merge_into", "forward_pieces", "backward_pieces"]

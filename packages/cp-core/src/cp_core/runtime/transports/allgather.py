@@ -19,8 +19,11 @@ from cp_core.runtime.kernels.blocked import (
     attention_backward,
     attention_forward,
     blocked_attention,
+    grouped_sinks,
     prepare_attention,
 )
+from cp_core.runtime.kernels.sinks import sink_grad
+from cp_core.runtime.kernels.amp import autocast_off
 from cp_core.plan.record import AttentionPlan
 from cp_core.runtime.door import check_local_shapes, resolve_causal
 
@@ -44,23 +47,25 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
 def allgather_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, *,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                    is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False) -> torch.Tensor:
+                   enable_gqa: bool = False, sinks: torch.Tensor | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` over a CP layout: gather K/V, mask by global index.
 
     ``q``, ``k``, ``v`` are this rank's ``[B, H, n_local, D]`` projections of its local
     tokens (local order). Returns ``[B, Hq, n_local, Dv]``; see the door for which
-    masks and kinds are served (:mod:`cp_core.runtime.door`).
+    masks and kinds are served (:mod:`cp_core.runtime.door`). ``sinks`` (``[Hq]`` logits,
+    gradient returned) and ``softcap`` are served by the blocked kernel.
     """
     resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-    check_local_shapes(q, k, v, plan, enable_gqa)
+    check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
     k_index = plan.rank_indices.reshape(-1).to(plan.q_index.device)
     budget = int(plan.options.block_budget_bytes or DEFAULT_BLOCK_BUDGET_BYTES)
     if plan.cp_size > 1 and plan.options.regather_kv:
-        return _RegatherKVAttention.apply(q, k, v, plan.q_index, k_index, plan.mask, scale,
-                                          budget, plan.group)
+        return _RegatherKVAttention.apply(q, k, v, sinks, plan.q_index, k_index, plan.mask,
+                                          scale, budget, plan.group, softcap or None)
     k_all, v_all = gather_kv(k, v, plan)
     return blocked_attention(q, k_all, v_all, plan.q_index, k_index, plan.mask, scale=scale,
-                             block_budget_bytes=budget)
+                             block_budget_bytes=budget, sinks=sinks, softcap=softcap)
 
 
 def _gather_kv_data(k: torch.Tensor, v: torch.Tensor, group: Any
@@ -84,16 +89,18 @@ class _RegatherKVAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                q_index: torch.Tensor, k_index: torch.Tensor, mask: Any, scale: float | None,
-                budget: int, group: Any) -> torch.Tensor:
+                sinks: torch.Tensor | None, q_index: torch.Tensor, k_index: torch.Tensor,
+                mask: Any, scale: float | None, budget: int, group: Any,
+                softcap: float | None) -> torch.Tensor:
         k_all, v_all = _gather_kv_data(k, v, group)
         q5, scale, rows, cols = prepare_attention(q, k_all, v_all, q_index, k_index, scale,
                                                   budget)
-        out, lse = attention_forward(q5, k_all, v_all, q_index, k_index, mask, scale, rows,
-                                     cols)
-        ctx.save_for_backward(q5, k, v, q_index, k_index, out, lse)
+        with autocast_off(q.device.type):
+            out, lse = attention_forward(q5, k_all, v_all, q_index, k_index, mask, scale, rows,
+                                         cols, sinks, softcap)
+        ctx.save_for_backward(q5, k, v, q_index, k_index, out, lse, sinks)
         ctx.mask, ctx.scale, ctx.rows, ctx.cols, ctx.group = mask, scale, rows, cols, group
-        ctx.q_shape = q.shape
+        ctx.q_shape, ctx.softcap = q.shape, softcap
         return out.to(q.dtype).reshape(*q.shape[:3], v.shape[-1])
 
     @staticmethod
@@ -101,16 +108,21 @@ class _RegatherKVAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         from cp_core.comm import collectives as comm
 
-        q5, k, v, q_index, k_index, out, lse = ctx.saved_tensors
+        q5, k, v, q_index, k_index, out, lse, sinks = ctx.saved_tensors
         k_all, v_all = _gather_kv_data(k, v, ctx.group)
-        dq, dk_all, dv_all = attention_backward(
-            q5, k_all, v_all, q_index, k_index, ctx.mask, ctx.scale, ctx.rows, ctx.cols, out,
-            lse, grad_out.reshape(out.shape))
+        grad_out = grad_out.reshape(out.shape)
+        with autocast_off(q5.device.type):
+            dq, dk_all, dv_all = attention_backward(
+                q5, k_all, v_all, q_index, k_index, ctx.mask, ctx.scale, ctx.rows, ctx.cols,
+                out, lse, grad_out, ctx.softcap)
+            dsinks = None if sinks is None else sink_grad(
+                grad_out, out, lse, grouped_sinks(sinks, k.shape[1]), (0, 3)
+            ).reshape(-1).to(sinks.dtype)
         d = k.shape[-1]
         parts = torch.cat([dk_all, dv_all], dim=-1).split(k.shape[2], dim=2)
         mine = comm.reduce_scatter_sum(list(parts), ctx.group)
         return (dq.reshape(ctx.q_shape).to(q5.dtype), mine[..., :d].to(k.dtype),
-                mine[..., d:].to(v.dtype), None, None, None, None, None, None)
+                mine[..., d:].to(v.dtype), dsinks, None, None, None, None, None, None, None)
 
 
 __all__ = ["allgather_sdpa", "gather_kv"]

@@ -46,15 +46,20 @@ class P2PTransport:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                  *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                  is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False) -> torch.Tensor:
-        """``scaled_dot_product_attention`` over the CP layout: ``[B, Hq, n_local, Dv]``."""
+                 enable_gqa: bool = False, sinks: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        """``scaled_dot_product_attention`` over the CP layout: ``[B, Hq, n_local, Dv]``
+        (``sinks``: ``[Hq]`` sink logits; ``softcap``: the logit soft-cap)."""
         if schedule_for(plan) is None:
             return allgather_sdpa(q, k, v, plan, attn_mask=attn_mask, dropout_p=dropout_p,
-                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                  sinks=sinks, softcap=softcap)
+        # Every check that can fail runs here, on every rank alike, before the ring posts
+        # its first send: a rank that raised later would leave its peers waiting.
         resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-        check_local_shapes(q, k, v, plan, enable_gqa)
+        check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
         kernel: Any = plan.options.kernel
-        return p2p_attention(q, k, v, plan, scale, kernel)
+        return p2p_attention(q, k, v, plan, scale, kernel, sinks=sinks, softcap=softcap)
 
 
 p2p_sdpa = P2PTransport()

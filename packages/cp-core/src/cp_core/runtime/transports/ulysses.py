@@ -118,20 +118,30 @@ class UlyssesTransport:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                  *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                  is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False) -> torch.Tensor:
-        """``scaled_dot_product_attention`` over the CP layout: ``[B, Hq, n_local, Dv]``."""
+                 enable_gqa: bool = False, sinks: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        """``scaled_dot_product_attention`` over the CP layout: ``[B, Hq, n_local, Dv]``.
+
+        ``sinks`` (``[Hq]``): each rank serves its block of query heads, so it takes that
+        block's sink logits; the sink's gradient is this rank's heads' (summed over the
+        group, the whole gradient). ``softcap``: the logit soft-cap."""
         resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-        check_local_shapes(q, k, v, plan, enable_gqa)
+        check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
         size = plan.cp_size
         whole = _global_plan(plan)
+        # The scale of the call's own head size, fixed before any padding or reshaping.
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         if size == 1:
-            return p2p_attention(q, k, v, whole, scale)
+            return p2p_attention(q, k, v, whole, scale, sinks=sinks, softcap=softcap)
         rep = _kv_heads_for_ranks(q.shape[1], k.shape[1], size)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         group = plan.group
         qh, kh, vh = (_SwapShards.apply(t, group, size, True) for t in (q, k, v))
-        out = p2p_attention(qh, kh, vh, whole, scale)
+        if sinks is not None:  # rank j holds query heads [j*H/cp, (j+1)*H/cp)
+            per = q.shape[1] // size
+            sinks = sinks.reshape(-1)[plan.cp_rank * per:(plan.cp_rank + 1) * per]
+        out = p2p_attention(qh, kh, vh, whole, scale, sinks=sinks, softcap=softcap)
         return _SwapShards.apply(out, group, size, False)
 
 
