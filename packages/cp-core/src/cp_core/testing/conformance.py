@@ -17,7 +17,9 @@ tensor back; pad slots carry labels -100, padding_mask True and loss_mask 0; the
 agrees with the token verbs; a static layout's index map (``local_token_global_indices``, what
 the token verbs use before a first shard) is the map its own ``shard_batch`` applies, at every
 rank and every length in ``index_map_lengths`` (a data-dependent one refuses to place tokens
-before its first shard). With real gloo ranks (a pool of ``max(parity_cp_sizes)`` processes started
+before its first shard); the oracles of :mod:`cp_core.testing.oracles` (a position-only
+model's log-probabilities bitwise, labels shifted by restarting positions at offsets 1..3
+token by token). With real gloo ranks (a pool of ``max(parity_cp_sizes)`` processes started
 once per test module) at every size in ``parity_cp_sizes``: ``gather(shard(x), trim=True) ==
 x``, gradients routed back through the token verbs, and a training step of the reference
 decoder matching CP=1 (loss and every parameter gradient, fp32 relative error <= 1e-5).
@@ -37,6 +39,7 @@ from cp_core.errors import CPLayoutUnavailableError
 from cp_core.registry import build_sharder
 from cp_core.sharder import ContextParallelSharder
 from cp_core.testing.multirank import RankPool, load_callable
+from cp_core.testing.oracles import OracleChecks
 from cp_core.testing.parity import (
     FP32_RTOL,
     ForwardFn,
@@ -59,8 +62,9 @@ def cp_rank_pool() -> Iterator[RankPool]:
         yield pool
 
 
-class ConformanceSuite:
-    """Checks every backend must pass; subclass and set :attr:`backend`."""
+class ConformanceSuite(OracleChecks):
+    """Checks every backend must pass; subclass and set :attr:`backend` (the oracle checks of
+    :class:`~cp_core.testing.oracles.OracleChecks` included)."""
 
     #: Registry name of the backend under test.
     backend: str = ""
