@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import available_backends, build_sharder
 
 

@@ -263,7 +263,7 @@ def _plugin_shard(rows: list[list[int]], runs: Any = None) -> Any:
 
     def shard_batch(cp_mesh: Any, tp_mesh: Any, batch: Any, *, loss_mask: Any = None,
                     padding_token_id: int = 0) -> Any:
-        from cp_core.mesh import cp_rank
+        from cp_core.comm.mesh import cp_rank
 
         r = cp_rank(cp_mesh)
         ranks = torch.tensor(rows)
@@ -294,7 +294,7 @@ def case_plugin_layout(rank: int, world: int, rows_by_rank: list[list[list[int]]
 
 
 def _runs(starts: list[list[int]], lengths: list[list[int]]) -> Any:
-    from cp_core.runs import RankRuns
+    from cp_core.placement.runs import RankRuns
 
     return RankRuns.build(starts, lengths)
 

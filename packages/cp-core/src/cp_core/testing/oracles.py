@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cp_core.labels import shift_labels
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 
 IGNORE = -100
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cp_core.errors import CPAttentionError
-from cp_core.mesh import SimulatedCPMesh
+from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.registry import build_sharder
 
 transformers = pytest.importorskip("transformers")
