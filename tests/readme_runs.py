@@ -28,7 +28,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(script: Path, nproc: int, *args: str, timeout: int = 240
+def torchrun(script: Path, nproc: int, *args: str, timeout: int = 600
              ) -> subprocess.CompletedProcess:
     """Run ``script`` under ``torch.distributed.run`` with ``nproc`` local gloo ranks."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

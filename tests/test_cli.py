@@ -161,7 +161,7 @@ def test_explain_lists_backends_and_what_is_legal(capsys: pytest.CaptureFixture[
 
 def test_installed_scripts_exit_2_with_one_line() -> None:
     for script, argv in [(CP_PLAN, ["cp.size=0"]), (CP_DEMO, ["cp=identity", "cp.size=2"])]:
-        proc = subprocess.run([script, *argv], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([script, *argv], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "cp.size" in proc.stderr and proc.stdout == ""

@@ -210,7 +210,7 @@ def _table(text: str) -> dict[int, tuple[int, int, int]]:
 def test_console_script_with_plot(tmp_path: Path) -> None:
     proc = subprocess.run([CP_PLAN, "cp=round_robin", "cp.size=2", "plan.docs=[3,5]", "--plot",
                            str(tmp_path / "p.png"), f"hydra.run.dir={tmp_path / 'run'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert _table(proc.stdout) == {0: (4, 0, 12), 1: (4, 0, 9)}
     assert (tmp_path / "p.png").is_file()
@@ -221,7 +221,7 @@ def test_console_script_with_plot(tmp_path: Path) -> None:
 def test_multirun_ends_with_one_comparison_table(tmp_path: Path) -> None:
     proc = subprocess.run([CP_PLAN, "-m", "cp=round_robin,contiguous", "cp.size=2,4",
                            "plan.docs=[3,5]", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("cp-plan comparison") == 1
     table = proc.stdout.split("cp-plan comparison", 1)[1].split("(saved to", 1)[0]

@@ -107,7 +107,7 @@ def test_te_extra_in_a_fresh_environment(fresh_env: FreshEnv) -> None:
     import subprocess
 
     proc = subprocess.run([fresh_env.script("cp-plan"), "cp=magi"], cwd=fresh_env.root,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "pip install 'cp-core[magi]'" in proc.stderr
 
 

@@ -84,7 +84,7 @@ def test_bad_plugin_key_is_a_clear_error(plugin_env: Any, tmp_path: Path) -> Non
 
     proc = subprocess.run([plugin_env.script("cp-plan"), "cp=striped", "+cp.strip=2",
                            "plan.docs=[5,3]"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
     assert proc.returncode != 0
     assert "unknown key cp.strip" in proc.stderr + proc.stdout
     assert "stripe" in proc.stderr + proc.stdout

@@ -251,3 +251,80 @@ def test_fingerprint_is_exact_and_stable_for_non_tensor_values() -> None:
     b[2500] += 1
     assert batch_fingerprint({"x": a}) != batch_fingerprint({"x": b})
     assert batch_fingerprint({"x": a}) == batch_fingerprint({"x": a.copy()})
+
+
+# -- end to end through a plugin's own layout: the partition rule and the runs' digest ---------
+
+
+def _plugin_shard(rows: list[list[int]], runs: Any = None) -> Any:
+    """A static plugin's ``shard_batch`` that reports ``rows`` as every rank's index map (the
+    same on every rank: an agreed layout) and, optionally, that map as runs."""
+    import contextlib
+
+    def shard_batch(cp_mesh: Any, tp_mesh: Any, batch: Any, *, loss_mask: Any = None,
+                    padding_token_id: int = 0) -> Any:
+        from cp_core.comm.mesh import cp_rank
+
+        r = cp_rank(cp_mesh)
+        ranks = torch.tensor(rows)
+        layout = ShardLayout(local_token_global_indices=ranks[r], original_seq_len=8,
+                             padded_seq_len=8, rank_global_indices=ranks, cp_rank=r,
+                             cp_size=len(rows), rank_runs=runs)
+        return contextlib.nullcontext, {"input_ids": batch["input_ids"][:, ranks[r]]}, layout
+
+    return shard_batch
+
+
+def case_plugin_layout(rank: int, world: int, rows_by_rank: list[list[list[int]]],
+                       runs_by_rank: list[Any] | None = None) -> str:
+    """Shard ``make_batch`` through a plugin whose CP rank r reports ``rows_by_rank[r]``."""
+    from cp_core.sharder import ContextParallelSharder
+
+    group = cp_subgroup(2)
+    r = dist.get_rank(group)
+    runs = None if runs_by_rank is None else _runs(*runs_by_rank[r])
+    sharder = ContextParallelSharder(shard_batch=_plugin_shard(rows_by_rank[r], runs),
+                                     cp_mesh=group, verify_layout=True)
+    batch = {"input_ids": torch.arange(16).view(2, 8)}
+    try:
+        sharder.shard(batch)
+    except CPLayoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _runs(starts: list[list[int]], lengths: list[list[int]]) -> Any:
+    from cp_core.placement.runs import RankRuns
+
+    return RankRuns.build(starts, lengths)
+
+
+@pytest.mark.multirank
+def test_an_agreed_overlapping_layout_is_refused_end_to_end(pool: RankPool) -> None:
+    """Every rank reports the same layout (the fingerprints agree, each rank's indices are its
+    row), but positions 2 and 3 are held twice and 6, 7 by no one: the partition rule of the
+    padded length refuses it on every rank."""
+    rows = [[0, 1, 2, 3], [2, 3, 4, 5]]
+    for rank, msg in enumerate(pool.run(case_plugin_layout, [rows, rows])):
+        assert r"do not partition the padded stream [0, 8)" in msg, (rank, msg)
+    good = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert pool.run(case_plugin_layout, [good, good]) == ["no error"] * WORLD
+
+
+@pytest.mark.multirank
+def test_layouts_differing_only_in_run_lengths_are_told_apart(pool: RankPool) -> None:
+    """Rank 0's layout A and rank 1's layout B have the same run starts everywhere and differ
+    only in the lengths of rank 0's runs. Each rank's indices are its own row, and together
+    (A's rank 0, B's rank 1) they even partition the stream: only the layouts' digest, which
+    must cover the run lengths, tells them apart."""
+    a_starts, a_lengths = [[0, 5], [3, 6]], [[3, 1], [2, 2]]  # rank 0: 0 1 2 5
+    b_starts, b_lengths = [[0, 5], [3, 6]], [[2, 2], [2, 2]]  # rank 0: 0 1 5 6
+    a_rows = [[0, 1, 2, 5], [3, 4, 6, 7]]
+    b_rows = [[0, 1, 5, 6], [3, 4, 6, 7]]
+    msgs = pool.run(case_plugin_layout, [a_rows, b_rows],
+                    [(a_starts, a_lengths), (b_starts, b_lengths)])
+    for rank, msg in enumerate(msgs):
+        assert "computed different layouts from the same batch: ranks [1]" in msg, (rank, msg)
+    # the same runs on both ranks agree
+    assert pool.run(case_plugin_layout, [a_rows, a_rows],
+                    [(a_starts, a_lengths), (a_starts, a_lengths)]) == ["no error"] * WORLD

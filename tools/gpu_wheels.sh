@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Download (here, where PyPI is reachable) the wheels a lent GPU machine lacks for the GPU
-# checks: its image has torch and CUDA but not pydantic or hydra-core. They land in .whl/
-# (ignored through .git/info/exclude) and travel with `carry: [".whl"]`.
+# For a GPU machine without network access: download, here, the wheels the workspace needs
+# beyond what a CUDA image with torch usually has (pydantic, hydra-core and their parts) into
+# .whl/ (a git-ignored folder), then copy the repository there and run
+#   bash tools/gpu_check.sh --wheels .whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

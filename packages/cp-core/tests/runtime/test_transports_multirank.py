@@ -263,3 +263,40 @@ def test_ulysses_refuses_heads_that_do_not_split(pool):
         assert msg is not None and "6 query heads do not divide by cp=4" in msg, msg
     for msg in pool.run(case_ulysses_refuses, 12, 3):
         assert msg is not None and "key/value heads (3)" in msg, msg
+
+
+def case_p2p_own_gradients(rank: int, world: int, size: int) -> str | None:
+    """p2p forward and backward, then at once, before any other communication, every rank
+    checks the gradient rows it owns against the truth: its dK/dV rows hold the shares its
+    peers' queries sent back, the last peer's included. A lost share fails this assertion
+    here, not a later collective's timeout."""
+    group = leading_group(size)
+    if group is None:
+        return None
+    from cp_core.registry import build_sharder
+
+    rows, seq = [[9, 14], [23]], 23
+    gen = torch.Generator().manual_seed(11)
+    batch = _doc_batch(rows, seq, gen)
+    tensors = [torch.randn(2, h, seq, 8, generator=gen) for h in (4, 2, 2, 4)]
+    _, true_grads = _truth(rows, seq, "causal", {}, tensors)
+    sharder = build_sharder({"backend": "round_robin", "size": size, "transport": "p2p"}, group)
+    ctx_factory, _ = sharder.shard(batch)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors[:3]]
+    ql, kl, vl = (sharder.shard_token_tensor(t, seq_dim=2, fill=0.0) for t in leaves)
+    gl = sharder.shard_token_tensor(tensors[3], seq_dim=2, fill=0.0)
+    with ctx_factory():
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+        (out * gl).sum().backward()
+    own = sharder.shard_layout.local_token_global_indices
+    own = own[own < seq]  # pad slots are not the caller's tokens
+    for name, leaf, want in zip(("dq", "dk", "dv"), leaves, true_grads):
+        got = leaf.grad[:, :, own].double()
+        err = _rel(got, want[:, :, own])
+        assert err <= 1e-5, f"rank {rank} cp={size}: {name} of its own rows off by {err:.2e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_p2p_backward_returns_every_peers_gradient_share(pool, size):
+    assert pool.run(case_p2p_own_gradients, size)[:size] == ["ok"] * size

@@ -8,13 +8,18 @@ name the backend, and import the module-scoped rank pool fixture::
     class TestMyBackend(ConformanceSuite):
         backend = "my_backend"
 
-Override ``backend_config(cp)`` for extra config keys, ``make_batch(seed)`` for batches your
-layout needs, ``model_forward()`` for models that slice in their forward. The suite checks,
-single-process with :class:`~cp_core.SimulatedCPMesh` at every size in ``cp_sizes``: the
-ranks' indices form an exact partition of the padded stream with equal counts; shard then
-emulated gather (every rank's shard assembled by its indices) gives the caller's tensor back;
-pad slots carry labels -100, padding_mask True and loss_mask 0; the local batch agrees with
-the token verbs. With real gloo ranks (a pool of ``max(parity_cp_sizes)`` processes started
+Override ``backend_config(cp)`` for extra config keys, ``make_batch_of_length(seq_len, seed)``
+for batches your layout needs, ``model_forward()`` for models that slice in their forward. The
+suite checks, single-process with :class:`~cp_core.SimulatedCPMesh` at every size in
+``cp_sizes``: the ranks' indices form an exact partition of the padded stream with equal counts;
+shard then emulated gather (every rank's shard assembled by its indices) gives the caller's
+tensor back; pad slots carry labels -100, padding_mask True and loss_mask 0; the local batch
+agrees with the token verbs; a static layout's index map (``local_token_global_indices``, what
+the token verbs use before a first shard) is the map its own ``shard_batch`` applies, at every
+rank and every length in ``index_map_lengths`` (a data-dependent one refuses to place tokens
+before its first shard); the oracles of :mod:`cp_core.testing.oracles` (a position-only
+model's log-probabilities bitwise, labels shifted by restarting positions at offsets 1..3
+token by token). With real gloo ranks (a pool of ``max(parity_cp_sizes)`` processes started
 once per test module) at every size in ``parity_cp_sizes``: ``gather(shard(x), trim=True) ==
 x``, gradients routed back through the token verbs, and a training step of the reference
 decoder matching CP=1 (loss and every parameter gradient, fp32 relative error <= 1e-5).
@@ -30,9 +35,11 @@ import torch
 
 from cp_core.datasets import make_packed_batch, packed_rows
 from cp_core.comm.mesh import SimulatedCPMesh
+from cp_core.errors import CPLayoutUnavailableError
 from cp_core.registry import build_sharder
 from cp_core.sharder import ContextParallelSharder
 from cp_core.testing.multirank import RankPool, load_callable
+from cp_core.testing.oracles import OracleChecks
 from cp_core.testing.parity import (
     FP32_RTOL,
     ForwardFn,
@@ -55,8 +62,9 @@ def cp_rank_pool() -> Iterator[RankPool]:
         yield pool
 
 
-class ConformanceSuite:
-    """Checks every backend must pass; subclass and set :attr:`backend`."""
+class ConformanceSuite(OracleChecks):
+    """Checks every backend must pass; subclass and set :attr:`backend` (the oracle checks of
+    :class:`~cp_core.testing.oracles.OracleChecks` included)."""
 
     #: Registry name of the backend under test.
     backend: str = ""
@@ -70,6 +78,8 @@ class ConformanceSuite:
     seq_len: int = 61
     #: Relative tolerance of the parity check (fp32).
     rtol: float = FP32_RTOL
+    #: Row lengths at which a static layout's index map is checked against its own shard.
+    index_map_lengths: tuple[int, ...] = (5, 16, 61, 100)
 
     # -- hooks a backend package overrides ---------------------------------------------------
 
@@ -83,14 +93,19 @@ class ConformanceSuite:
 
     def make_batch(self, seed: int) -> dict[str, Any]:
         """A packed ``[2, seq_len]`` batch of several documents with trailing padding."""
-        rows = packed_rows(2, self.seq_len, seed, cap_fraction=0.3)
+        return self.make_batch_of_length(self.seq_len, seed)
+
+    def make_batch_of_length(self, seq_len: int, seed: int) -> dict[str, Any]:
+        """A packed ``[2, seq_len]`` batch of several documents, the second row ending in
+        padding (the batch of every check; ``seq_len`` varies in the index-map check)."""
+        rows = packed_rows(2, seq_len, seed, cap_fraction=0.3)
         # Drop the last document of the second row so it ends in padding.
         if len(rows[1]) > 1:
             rows[1] = rows[1][:-1]
         else:
             rows[1] = [max(1, rows[1][0] - 7)]
         return make_packed_batch(rows, vocab=self.model_config().vocab_size, seed=seed,
-                                 pad_to=self.seq_len)
+                                 pad_to=seq_len)
 
     def model_config(self) -> ReferenceModelConfig:
         """The reference decoder of the parity check (small: the check is about exactness)."""
@@ -201,6 +216,36 @@ class ConformanceSuite:
             for sharder, local in self._shard_all_ranks(cp, batch):
                 assert torch.equal(local["labels"],
                                    sharder.shard_token_tensor(batch["labels"], fill=-100))
+
+    def test_index_map_matches_shard(self, cp: int) -> None:
+        """A static layout's ``local_token_global_indices`` is the map its own ``shard_batch``
+        applies, at every rank and several lengths, and a fresh sharder's token verbs place a
+        padded-length tensor by it; a data-dependent layout (no static map) refuses to place
+        tokens before its first shard instead of guessing."""
+        for seq_len in self.index_map_lengths:
+            batch = self.make_batch_of_length(seq_len, seed=seq_len)
+            gen = torch.Generator().manual_seed(seq_len)
+            for r in range(cp):
+                mesh = SimulatedCPMesh(r, cp)
+                fresh, sharded = self.make_sharder(mesh, cp), self.make_sharder(mesh, cp)
+                sharded.shard(batch)
+                layout = sharded.shard_layout
+                assert layout is not None and layout.local_token_global_indices is not None
+                n = int(layout.padded_seq_len)
+                applied = layout.local_token_global_indices.reshape(-1).cpu()
+                where = f"{self.backend} cp={cp} rank {r} seq_len={seq_len} (padded {n})"
+                if fresh.local_token_global_indices is None:
+                    with pytest.raises(CPLayoutUnavailableError):
+                        fresh.shard_token_tensor(torch.zeros(2, n))
+                    continue
+                mapped = fresh.local_token_global_indices(mesh, n, None).reshape(-1).cpu()
+                assert torch.equal(mapped, applied), (
+                    f"{where}: the static index map gives {mapped.tolist()[:12]}..., the "
+                    f"layout its shard applied {applied.tolist()[:12]}...")
+                if layout.input_row_shape is None:  # a row layout: [B, padded] in, [B, local] out
+                    x = torch.randn(2, n, generator=gen)
+                    assert torch.equal(fresh.shard_token_tensor(x), x[:, applied]), (
+                        f"{where}: shard_token_tensor before the first shard misplaces tokens")
 
     # -- multi-rank checks -------------------------------------------------------------------
 
