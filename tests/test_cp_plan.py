@@ -202,7 +202,7 @@ def test_shipped_config_sections_match_their_models() -> None:
 
 def _table(text: str) -> dict[int, tuple[int, int, int]]:
     rows = {}
-    for m in re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+%$", text, re.M):
+    for m in re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+%\s+[\d,]+$", text, re.M):
         rows[int(m.group(1))] = tuple(int(g.replace(",", "")) for g in m.groups()[1:])
     return rows
 

@@ -24,7 +24,7 @@ NAMES = ("striped", "cp_plugin_example", "cp-plugin-example")
 def _rank_rows(text: str) -> dict[int, tuple[int, int, int]]:
     """``rank -> (tokens, pad, work)`` parsed from cp-plan's per-rank table."""
     rows = {}
-    for m in re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+%$", text, re.M):
+    for m in re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+%\s+[\d,]+$", text, re.M):
         rows[int(m.group(1))] = tuple(int(g.replace(",", "")) for g in m.groups()[1:])
     return rows
 
