@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -75,12 +75,14 @@ class Binding:
         form: None for the forward's ``with`` block; for a recomputation, the checkpointing
             form that re-activated the forward's plan.
         graph_task: the autograd graph task the binding was made in (-1: outside backward).
+        served: what the forward's calls established (shared with its recomputations).
     """
 
     plan: AttentionPlan
     scope: StepScope | None = None
     form: str | None = None
     graph_task: int = -1
+    served: dict[str, Any] = field(default_factory=dict)
 
 
 _bindings: ThreadStack[Binding] = ThreadStack()
@@ -104,7 +106,7 @@ def for_plan(plan: AttentionPlan) -> Binding:
 
 def recomputing(binding: Binding, form: str) -> Binding:
     """The binding under which ``form`` recomputes a region of ``binding``'s forward."""
-    return Binding(binding.plan, binding.scope, form, graph_task())
+    return Binding(binding.plan, binding.scope, form, graph_task(), binding.served)
 
 
 @contextlib.contextmanager

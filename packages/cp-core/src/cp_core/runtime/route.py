@@ -10,8 +10,8 @@ computed:
   calls of those modules only; every other call runs untouched;
 * a call that is served must be self-attention over this step's local tokens: query and key
   length equal to the local length, the batch equal to the step's local rows, and its module
-  of the same origin (the model config it was built from, else its class) as the step's
-  first served call; otherwise it is refused by name, with the fix that keeps the decoder
+  of the same origin (the model config it was built from, else its class) as the first call
+  the context served; otherwise it is refused by name, with the fix that keeps the decoder
   right (scope the context) rather than a setting that would break it.
 """
 
@@ -72,7 +72,7 @@ def _scope_fix(binding: Binding) -> str:
         return (f"the step is scoped to {list(scope.roots)} and this module is inside that "
                 "scope; call it on the step's sharded tokens, or scope the step to the modules "
                 "that attend over them only")
-    return ("if this call attends over another sequence (a vision tower, an encoder, a "
+    return ("if the call attends over another sequence (a vision tower, an encoder, a "
             "cross-attention), scope the step to the modules that attend over the sharded "
             "tokens: `with ctx(modules=[model.model.language_model]):` (ctx from "
             "sharder.shard(batch)); calls outside them then run untouched. If it is the "
@@ -106,15 +106,15 @@ def route_call(binding: Binding, query: Any, key: Any, module: torch.nn.Module |
         found.append(f"has batch {query.shape[0]} but the step's local batch has {rows} rows")
     if not found and module is not None:
         origin, name = _origin(module)
-        first = plan.cache.setdefault(_ORIGIN, (origin, name))
+        first = binding.served.setdefault(_ORIGIN, (origin, name))
         if first[0] is not origin:
-            found.append(f"comes from {name}, while this step already served attention of "
-                         f"{first[1]}: two different parts of the model attend under one "
-                         "plan, and only one of them is over the sharded tokens")
+            found.append(f"comes from {name}, while this context already served attention "
+                         f"of {first[1]}: two parts of the model attend under one plan, and "
+                         "only one of them attends over the sharded tokens")
     if found:
         raise CPAttentionError(
-            f"{_describe(module)} {'; it '.join(found)}: it is not this step's sharded "
-            f"self-attention, so the CP plan cannot serve it. {_scope_fix(binding)}")
+            f"{_describe(module)} is not this step's sharded self-attention: it "
+            f"{'; it '.join(found)}. The CP plan cannot serve it; {_scope_fix(binding)}")
     return True
 
 
