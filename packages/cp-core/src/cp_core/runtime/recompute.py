@@ -7,9 +7,10 @@ micro-batch's). So, while the forward serves an attention call inside a checkpoi
 :func:`bind_region` makes that region's recomputation run under the forward's
 :class:`~cp_core.runtime.binding.Binding`, on whichever thread it happens:
 
-* ``torch.utils.checkpoint(use_reentrant=True)`` (and Hugging Face's reentrant form): the
-  forward runs inside ``CheckpointFunction.forward`` with grad disabled; its ``ctx.run_function``
-  (what backward calls again) is wrapped.
+* ``torch.utils.checkpoint(use_reentrant=True)`` (and Hugging Face's reentrant form, and the
+  reentrant checkpoint functions of Megatron and DeepSpeed, shaped like torch's): the forward
+  runs inside an autograd ``Function.forward(ctx, run_function, ...)`` with grad disabled; its
+  ``ctx.run_function`` (what backward calls again) is wrapped.
 * ``use_reentrant=False``, selective checkpointing (``context_fn`` from
   ``create_selective_checkpoint_contexts``), Hugging Face's default form, FSDP's checkpoint
   wrappers: the forward runs under the region's saved-tensor hooks; the region's
@@ -51,10 +52,12 @@ def _checkpoint_module() -> Any:
     return sys.modules.get("torch.utils.checkpoint")
 
 
-def _reentrant_code() -> Any:
-    ck = _checkpoint_module()
-    fn = getattr(getattr(ck, "CheckpointFunction", None), "forward", None)
-    return getattr(fn, "__code__", None)
+def _reentrant_frame(code: Any) -> bool:
+    """True for the frame of a reentrant checkpoint's forward: ``forward(ctx, run_function,
+    ...)`` of an autograd Function, torch's or one shaped like it."""
+    if code.co_name != "forward" or code.co_argcount < 2:
+        return False
+    return code.co_varnames[:2] == ("ctx", "run_function")
 
 
 def _hook_frame(pack_hook: Any) -> Any:
@@ -120,12 +123,9 @@ def bind_region(binding: _b.Binding) -> None:
         elif "_checkpoint_hook" in name and _declared.top() is None:
             raise _refuse_layout("use_reentrant=False")
         return
-    code = _reentrant_code()
-    if code is None:
-        return  # no reentrant checkpoint in this torch (or not imported): nothing to bind
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code:
+        if _reentrant_frame(frame.f_code):
             ctx = frame.f_locals.get("ctx")
             if ctx is None or not callable(getattr(ctx, "run_function", None)):
                 raise _refuse_layout("use_reentrant=True")
