@@ -69,10 +69,10 @@ def _describe(module: torch.nn.Module | None) -> str:
 def _scope_fix(binding: Binding) -> str:
     scope = binding.scope
     if scope is not None and scope.modules is not None:
-        return (f"the step is scoped to {list(scope.roots)} and this module is inside that "
+        return (f"The step is scoped to {list(scope.roots)} and this module is inside that "
                 "scope; call it on the step's sharded tokens, or scope the step to the modules "
                 "that attend over them only")
-    return ("if the call attends over another sequence (a vision tower, an encoder, a "
+    return ("If a call attends over another sequence (a vision tower, an encoder, a "
             "cross-attention), scope the step to the modules that attend over the sharded "
             "tokens: `with ctx(modules=[model.model.language_model]):` (ctx from "
             "sharder.shard(batch)); calls outside them then run untouched. If it is the "
@@ -108,13 +108,15 @@ def route_call(binding: Binding, query: Any, key: Any, module: torch.nn.Module |
         origin, name = _origin(module)
         first = binding.served.setdefault(_ORIGIN, (origin, name))
         if first[0] is not origin:
-            found.append(f"comes from {name}, while this context already served attention "
-                         f"of {first[1]}: two parts of the model attend under one plan, and "
-                         "only one of them attends over the sharded tokens")
+            raise CPAttentionError(
+                f"two parts of the model attend under one step: {first[1]} first, now "
+                f"{name}. Only one of them can be the self-attention "
+                "over the sharded tokens; the other would be served with this step's plan. "
+                f"{_scope_fix(binding)}")
     if found:
         raise CPAttentionError(
             f"{_describe(module)} is not this step's sharded self-attention: it "
-            f"{'; it '.join(found)}. The CP plan cannot serve it; {_scope_fix(binding)}")
+            f"{'; it '.join(found)}. The CP plan cannot serve it. {_scope_fix(binding)}")
     return True
 
 
