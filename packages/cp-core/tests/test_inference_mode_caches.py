@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_core.builtin import _aligned_chunks, _static_rank_indices
-from cp_core.comm.normal_tensors import outside_inference_mode
+from cp_core.placement.select import _aligned_chunks, _static_rank_indices
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.placement.layout import round_robin_local_indices
 from cp_core.plan.record import DocumentMask
 from cp_core.runtime.kernels.fused import band_mask

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from cp_core.comm.normal_tensors import outside_inference_mode
+from cp_core.placement.normal_tensors import outside_inference_mode
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 
 from cp_core.batch.normalise import NormalizedBatch, pad_position_ids, pad_seq_dim, pad_value_for
 from cp_core.comm.mesh import cp_rank, cp_size
-from cp_core.comm.normal_tensors import outside_inference_mode
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.placement.layout import IndexFn, ShardLayout, all_rank_indices, round_up
 from cp_core.placement.runs import RankRuns, index_runs
 

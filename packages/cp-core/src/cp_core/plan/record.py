@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, get
 
 import torch
 
-from cp_core.comm.normal_tensors import outside_inference_mode
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.placement.runs import RankRuns, install_lazy_indices
 from cp_core.plan.rects import kind_bounds
 

@@ -20,7 +20,7 @@ import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from cp_core.comm.normal_tensors import outside_inference_mode
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.errors import CPConfigError
 from cp_core.plugins import EntryPointGroup
 

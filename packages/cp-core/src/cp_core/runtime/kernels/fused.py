@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from cp_core.comm.normal_tensors import outside_inference_mode
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.plan.slices import BAND, CAUSAL, FULL, Piece
 from cp_core.runtime.kernels.explicit import CAUSAL_LEAF, ExplicitKernel, MathKernel
 
