@@ -109,6 +109,8 @@ def _refuse_layout(form: str) -> CPCheckpointError:
 def bind_region(binding: _b.Binding) -> None:
     """Called for each served call: when it runs inside checkpointed regions, bind their
     recomputation to ``binding`` (raises :class:`CPCheckpointError` when that is impossible)."""
+    if torch.compiler.is_compiling():
+        return  # a compiled region's recomputation is the compiler's (no Python frames here)
     if torch.is_grad_enabled():
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if hooks is None:

@@ -34,7 +34,9 @@ _ORIGIN = "route_origin"
 def caller_module(frame: FrameType | None) -> torch.nn.Module | None:
     """The module whose code calls attention: the ``module`` argument of an attention
     function (Hugging Face's) or the ``self`` of a module's method, among the nearest
-    callers of ``frame`` (itself included)."""
+    callers of ``frame`` (itself included); None while torch.compile traces (no frames)."""
+    if torch.compiler.is_compiling():
+        return None
     for _ in range(_DEPTH):
         if frame is None:
             return None
