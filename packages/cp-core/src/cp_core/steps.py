@@ -55,6 +55,12 @@ class ShardStep:
         """The layout of this step's shard."""
         return self._layout
 
+    def __getattr__(self, name: str) -> Any:
+        # Code that looked into the backend's factory (a partial's .func / .args) keeps working.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._factory, name)
+
     def __call__(self, *args: Any, modules: Any = None) -> ContextManager[Any]:
         """The step's context. ``modules``: a module or list of modules (e.g. the decoder,
         ``model.model.language_model``); only their attention calls are served, every other
