@@ -133,3 +133,38 @@ def test_a_scope_names_modules() -> None:
     ctx, _ = identity_sharder().shard(_batch())
     with pytest.raises(CPConfigError, match="torch.nn.Module"):
         ctx(modules=["model.language_model"])
+
+
+class _Full(_Attend):
+    pass
+
+
+class _Sliding(_Attend):
+    pass
+
+
+class _TwoKinds(torch.nn.Module):
+    """A decoder whose layers are two attention classes without a shared config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Full(), _Sliding()
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(q))
+
+
+def test_a_scope_declares_the_parts_two_attention_classes_are_served() -> None:
+    ctx, _ = identity_sharder().shard(_batch())
+    model, q = _TwoKinds(), torch.randn(2, 4, SEQ, 8)
+    with ctx(), pytest.raises(CPAttentionError, match="two parts of the model"):
+        model(q)
+    with ctx(modules=[model]):
+        got = model(q)
+    with ctx(modules=[model.a]):  # b outside the scope: plain causal SDPA over its input
+        half = model(q)
+    with ctx(modules=[model.a]):
+        first = model.a(q)
+    torch.testing.assert_close(half, F.scaled_dot_product_attention(first, first, first,
+                                                                    is_causal=True))
+    assert not torch.allclose(got, half)

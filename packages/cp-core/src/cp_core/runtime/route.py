@@ -9,9 +9,9 @@ computed:
 * a step scoped to modules (``with ctx(modules=[model.model.language_model]):``) serves the
   calls of those modules only; every other call runs untouched;
 * a call that is served must be self-attention over this step's local tokens: query and key
-  length equal to the local length, the batch equal to the step's local rows, and its module
-  of the same origin (the model config it was built from, else its class) as the first call
-  the context served; otherwise it is refused by name, with the fix that keeps the decoder
+  length equal to the local length, the batch equal to the step's local rows, and (in an
+  unscoped step) its module of the same origin (the model config it was built from, else its
+  class) as the first call the context served; otherwise it is refused by name, with the fix that keeps the decoder
   right (scope the context) rather than a setting that would break it.
 """
 
@@ -106,7 +106,8 @@ def route_call(binding: Binding, query: Any, key: Any, module: torch.nn.Module |
                      f"(key) but this rank holds {n_local} tokens of the step")
     if rows is not None and query.shape[0] != rows:
         found.append(f"has batch {query.shape[0]} but the step's local batch has {rows} rows")
-    if not found and module is not None:
+    scoped = scope is not None and scope.modules is not None
+    if not found and module is not None and not scoped:  # a scope names the parts itself
         origin, name = _origin(module)
         first = binding.served.setdefault(_ORIGIN, (origin, name))
         if first[0] is not origin:
