@@ -6,6 +6,7 @@ selected through :mod:`cp_core.registry`.
 """
 
 from cp_core.runtime.intercept import activate_plan, active_plan
+from cp_core.runtime.recompute import checkpoint_context
 from cp_core.runtime.kernels.blocked import blocked_attention
 from cp_core.plan.record import AttentionPlan, DocumentMask
 from cp_core.runtime.transports.allgather import allgather_sdpa
@@ -13,6 +14,7 @@ from cp_core.batch.normalise import convert_attention_mask_to_padding_mask
 from cp_core.errors import (
     CPAttentionError,
     CPBackendLoadError,
+    CPCheckpointError,
     CPBackendNotFoundError,
     CPBatchError,
     CPConfigError,
@@ -40,6 +42,7 @@ from cp_core.placement.layout import (
 from cp_core.loss import count_label_tokens, cp_cross_entropy
 from cp_core.comm.mesh import CPMeshLike, SimulatedCPMesh
 from cp_core.sharder import ContextParallelSharder
+from cp_core.steps import ShardStep
 from cp_core.placement.tokens import (
     gather_token_tensor_by_indices,
     reorder_gathered_token_tensor,
@@ -56,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ShardLayout",
     "ContextParallelSharder",
+    "ShardStep",
     "SimulatedCPMesh",
     "CPMeshLike",
     "identity_local_indices",
@@ -75,6 +79,7 @@ __all__ = [
     "DocumentMask",
     "activate_plan",
     "active_plan",
+    "checkpoint_context",
     "blocked_attention",
     "allgather_sdpa",
     "cp_cross_entropy",
@@ -92,6 +97,7 @@ __all__ = [
     "CPLayoutError",
     "CPLayoutUnavailableError",
     "CPAttentionError",
+    "CPCheckpointError",
     "CPBackendNotFoundError",
     "CPBackendLoadError",
 ]

@@ -49,6 +49,11 @@ class CPAttentionError(CPError, NotImplementedError):
     """The active attention transport cannot honour the requested attention (mask, kind, dropout)."""
 
 
+class CPCheckpointError(CPAttentionError):
+    """An attention call under activation checkpointing whose recomputation cannot be bound to
+    the plan of the forward it belongs to; the message names the form that works."""
+
+
 class CPBackendNotFoundError(CPError, KeyError):
     """An unknown backend name, or a known backend whose package is not installed."""
 
@@ -68,6 +73,7 @@ __all__ = [
     "CPLayoutUnavailableError",
     "CPRankFailedError",
     "CPAttentionError",
+    "CPCheckpointError",
     "CPBackendNotFoundError",
     "CPBackendLoadError",
 ]

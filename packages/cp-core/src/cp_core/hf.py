@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_core.runtime.intercept import active_plan, serve_call
+from cp_core.runtime.intercept import active_plan, plan_for_call, serve_call
 from cp_core.runtime.local_attention import local_attention
 from cp_core.plan.kinds import call_kind, plan_for_kind
 from cp_core.errors import CPAttentionError
@@ -64,7 +64,9 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          is_causal: bool | None = None, **kwargs: Any
                          ) -> tuple[torch.Tensor, None]:
     """The ``"cp"`` attention function: ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out."""
-    plan = active_plan()
+    # The step bound to this computation (also in a recomputation on another thread); None
+    # outside a step or outside its module scope: then exactly attn_implementation="sdpa".
+    plan = plan_for_call(module, query, key)
     sinks, softcap = _sinks(kwargs), kwargs.get("softcap")
     if plan is None:
         if sinks is None and not softcap:

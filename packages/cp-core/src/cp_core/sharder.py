@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -35,9 +35,13 @@ from cp_core.resolution import (
 )
 from cp_core.placement.tokens import (
     _norm_dim,
+    data_dependent_error,
     gather_token_tensor_by_indices,
+    length_error,
+    no_layout_for_gather_error,
     shard_token_tensor_by_indices,
 )
+from cp_core.steps import ShardStep, StepTracker, choose_layout, local_rows
 
 ShardBatchFn = Callable[..., tuple[Callable[[], Any], dict[str, Any], "ShardLayout | None"]]
 IndexFn = Callable[..., torch.Tensor]
@@ -124,6 +128,7 @@ class ContextParallelSharder:
         self.verify_layout = verify_layout
         self.loss_mask = loss_mask
         self.rows = rows
+        self._steps = StepTracker()  # the shards still held, their local tensors (weakly)
 
     # -- verbs -------------------------------------------------------------------------------
 
@@ -132,8 +137,11 @@ class ContextParallelSharder:
               ) -> tuple[Callable[[], Any], dict[str, Any]]:
         """Shard ``batch`` (not mutated) and keep its layout for the token verbs.
 
-        Returns ``(ctx_factory, local_batch)``; run the model's forward and backward inside
-        ``with ctx_factory():`` so its SDPA calls are served by the CP transport.
+        Returns ``(ctx, local_batch)``; run the model's forward and backward inside
+        ``with ctx():`` so its attention calls are served by the CP transport. ``ctx`` is a
+        :class:`~cp_core.steps.ShardStep` (``ctx(modules=[...])`` scopes the step to modules;
+        ``ctx.layout`` and ``ctx.gather_token_tensor`` stay this shard's), or
+        ``contextlib.nullcontext`` when the backend has no attention work.
         """
         if loss_mask is None:
             loss_mask = self.loss_mask
@@ -156,13 +164,19 @@ class ContextParallelSharder:
         self.shard_layout = layout
         if self.rows and layout is not None and layout.input_row_shape is not None:
             out = flat_batch_as_rows(out, layout.num_local_tokens)
-        if ctx_factory is not contextlib.nullcontext and can_communicate(self.cp_mesh):
-            ctx_factory = recording_ctx(ctx_factory)  # an error in the step names this rank
+        step = None
+        if ctx_factory is not contextlib.nullcontext:
+            if can_communicate(self.cp_mesh):
+                ctx_factory = recording_ctx(ctx_factory)  # an error in the step names this rank
+            ctx_factory = step = ShardStep(ctx_factory, self, layout, local_rows(out))
+        self._tracker().note(step, layout)
+        self._tracker().tag(out, layout)
         return ctx_factory, out
 
     @recorded
     def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1,
-                           fill: float | int | None = None) -> torch.Tensor:
+                           fill: float | int | None = None, *,
+                           layout: ShardLayout | None = None) -> torch.Tensor:
         """Shard a token-aligned tensor exactly like the model inputs.
 
         Accepted, in the caller's coordinates:
@@ -173,10 +187,12 @@ class ContextParallelSharder:
 
         Before the first ``shard`` a static layout shards a tensor taken to be at its padded
         length already (the index map checks it divides); a data-dependent layout raises
-        :class:`CPLayoutUnavailableError`.
+        :class:`CPLayoutUnavailableError`. ``layout``: a given shard's (``ctx.layout``);
+        by default the shard :func:`~cp_core.steps.choose_layout` picks.
         """
         dim = self._dim(tensor, seq_dim)
-        layout = self._known_layout()
+        layout = self._known_layout(choose_layout(self, self._tracker(), tensor, layout,
+                                                  "shard_token_tensor"))
         if layout is None:
             return self._shard_without_layout(tensor, dim)
         padded = self._stream_len(layout)
@@ -212,28 +228,32 @@ class ContextParallelSharder:
                 )
             tensor = pad_seq_dim(tensor, dim, pad, fill)
         else:
-            raise CPBatchError(self._length_error(tensor, dim, layout, padded))
+            raise CPBatchError(length_error(tensor, dim, layout, padded))
         local = shard_token_tensor_by_indices(
-            tensor, self._indices(padded, tensor.device, "shard_token_tensor"), dim)
-        return local.unsqueeze(dim) if as_row else local
+            tensor, self._indices(padded, tensor.device, "shard_token_tensor", layout), dim)
+        local = local.unsqueeze(dim) if as_row else local
+        self._tracker().tag(local, layout)
+        return local
 
     @recorded
     def gather_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False,
-                            fill: float | int | None = None, grad_mode: str = "slice"
-                            ) -> torch.Tensor:
+                            fill: float | int | None = None, grad_mode: str = "slice", *,
+                            layout: ShardLayout | None = None) -> torch.Tensor:
         """Differentiably gather a local shard back to global (padded) order.
 
         ``trim=True`` returns the caller's coordinates: sliced to the original length, or
         mapped back to ``input_row_shape`` through the position map (``fill`` for caller
         positions whose tokens the layout dropped). ``grad_mode`` as in
         :func:`gather_token_tensor_by_indices`. With CP inactive and nothing to trim, the
-        tensor given is returned itself.
+        tensor given is returned itself. ``layout``: as in :meth:`shard_token_tensor`; a
+        tensor this sharder handed out is gathered with its own shard's layout.
         """
-        layout = self._known_layout()
+        layout = self._known_layout(choose_layout(self, self._tracker(), tensor, layout,
+                                                  "gather_token_tensor"))
         if layout is None:
-            self._no_layout_for_gather(trim)
+            raise no_layout_for_gather_error(self.local_token_global_indices is None, trim)
         padded = self._stream_len(layout)
-        local = self._indices(padded, tensor.device, "gather_token_tensor")
+        local = self._indices(padded, tensor.device, "gather_token_tensor", layout)
         if (layout.input_row_shape is not None and isinstance(tensor, torch.Tensor)
                 and tensor.dim() >= 1 and seq_dim == tensor.dim()):
             # shard_token_tensor(x[B, S], seq_dim=1) gave a flat [T_local]: the same seq_dim
@@ -276,10 +296,16 @@ class ContextParallelSharder:
 
     # -- index resolution --------------------------------------------------------------------
 
-    def _known_layout(self) -> ShardLayout | None:
+    def _tracker(self) -> StepTracker:
+        tracker = getattr(self, "_steps", None)
+        if tracker is None:  # built without __init__ (copy.copy, __new__): start afresh
+            tracker = self._steps = StepTracker()
+        return tracker
+
+    @staticmethod
+    def _known_layout(layout: ShardLayout | None) -> ShardLayout | None:
         # A layout that says neither where tokens are nor how long the stream is (e.g. the
         # trivial one a no-op shard may report) places nothing: treat it as absent.
-        layout = self.shard_layout
         if layout is None or (layout.local_token_global_indices is None
                               and layout.padded_seq_len is None):
             return None
@@ -297,14 +323,16 @@ class ContextParallelSharder:
         return int(idx.numel()) * cp_size(self.cp_mesh)
 
     def _indices(self, padded_seq_len: int, device: torch.device | str | None,
-                 verb: str = "the token verbs") -> torch.Tensor:
+                 verb: str = "the token verbs", layout: ShardLayout | None = None
+                 ) -> torch.Tensor:
         """This rank's global positions for a padded stream of ``padded_seq_len`` tokens.
 
         From the stored layout when it reports them (flattened, int64, checked against the
         stream length it describes), else from the static index map; a data-dependent layout
-        before its first shard raises :class:`CPLayoutUnavailableError`.
+        before its first shard raises :class:`CPLayoutUnavailableError`. ``layout``: the
+        shard's (default: the stored one).
         """
-        layout = self.shard_layout
+        layout = layout if layout is not None else self.shard_layout
         reported = layout.local_token_global_indices if layout is not None else None
         if reported is not None:
             assert layout is not None
@@ -317,15 +345,8 @@ class ContextParallelSharder:
             idx = reported.reshape(-1)
             return idx.to(device=device if device is not None else idx.device, dtype=torch.long)
         if self.local_token_global_indices is None:
-            raise self._data_dependent(verb)
+            raise data_dependent_error(verb)
         return self.local_token_global_indices(self.cp_mesh, padded_seq_len, device)
-
-    @staticmethod
-    def _data_dependent(verb: str) -> CPLayoutUnavailableError:
-        return CPLayoutUnavailableError(
-            f"{verb} needs a layout: call sharder.shard(batch) first (this sharder's layout is "
-            "data-dependent: no token can be placed before the first shard)"
-        )
 
     def _rank_indices(self, layout: ShardLayout, padded: int) -> torch.Tensor | None:
         # Every rank's map, so the gather moves data only: reported by the layout, or derived
@@ -349,22 +370,6 @@ class ContextParallelSharder:
             ) from exc
         return shard_token_tensor_by_indices(tensor, idx, dim)
 
-    def _no_layout_for_gather(self, trim: bool) -> NoReturn:
-        # Data-dependent first: that is the more fundamental reason nothing can be placed.
-        if self.local_token_global_indices is None:
-            raise self._data_dependent("gather_token_tensor")
-        if trim:
-            raise CPLayoutUnavailableError(
-                "gather_token_tensor(trim=True) has no shard layout to trim to: call "
-                "sharder.shard(batch) first (or assign sharder.shard_layout)"
-            )
-        # A static map could place the tokens, but a gather returns the stream of the last
-        # shard; with none recorded there is no length to check the result against.
-        raise CPLayoutUnavailableError(
-            "gather_token_tensor needs a layout: call sharder.shard(batch) first (or assign "
-            "sharder.shard_layout); there is no recorded stream to gather into"
-        )
-
     # -- helpers -----------------------------------------------------------------------------
 
     @staticmethod
@@ -383,17 +388,6 @@ class ContextParallelSharder:
                 and tensor.shape[dim - 1] == n_local):
             return dim - 1
         return dim
-
-    @staticmethod
-    def _length_error(tensor: torch.Tensor, dim: int, layout: ShardLayout, padded: int) -> str:
-        accepted = [f"padded_seq_len={padded}"]
-        if layout.original_seq_len is not None and layout.original_seq_len != padded:
-            accepted.insert(0, f"original_seq_len={layout.original_seq_len} (with fill=)")
-        if layout.input_token_stream_positions is not None:
-            accepted.insert(0, f"[B, S] = {list(layout.input_token_stream_positions.shape)} "
-                               f"on dims ({dim - 1}, {dim})")
-        return (f"tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim "
-                f"{dim}; this layout accepts {', '.join(accepted)}")
 
 
 __all__ = ["ContextParallelSharder"]

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from cp_core.placement.normal_tensors import outside_inference_mode
+
 
 @dataclass(frozen=True)
 class Run:
@@ -172,6 +174,8 @@ def _install(cls: type, name: str, doc: str, resolve: Callable[[Any, Any], Any])
     working unchanged; only a read pays for building what was left unbuilt.
     """
     slot = f"_lazy_{name}"
+    # Built once and kept for the whole step: never an inference tensor.
+    resolve = outside_inference_mode(resolve)
 
     def get(self: Any) -> Any:
         stored = self.__dict__.get(slot)

@@ -15,11 +15,13 @@ import torch
 
 from cp_core.batch.normalise import NormalizedBatch, pad_position_ids, pad_seq_dim, pad_value_for
 from cp_core.comm.mesh import cp_rank, cp_size
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.placement.layout import IndexFn, ShardLayout, all_rank_indices, round_up
 from cp_core.placement.runs import RankRuns, index_runs
 
 
 @functools.lru_cache(maxsize=64)
+@outside_inference_mode  # cached across steps: never an inference tensor
 def _static_rank_indices(index_fn: IndexFn, size: int, padded_len: int, device: torch.device
                          ) -> tuple[torch.Tensor, tuple[tuple[tuple[int, int], ...], ...]]:
     """Every rank's indices of a static map, and each rank's contiguous runs ``(start, len)``.
@@ -47,6 +49,7 @@ _MAX_RUNS_FOR_CAT = 8
 
 
 @functools.lru_cache(maxsize=64)
+@outside_inference_mode
 def _aligned_chunks(runs: tuple[tuple[int, int], ...], device: torch.device
                     ) -> tuple[int, torch.Tensor] | None:
     """``(chunk, chunk ids)`` when every run is one whole chunk of an equal-chunk grid (the

@@ -12,8 +12,9 @@ from typing import Any, Sequence
 import torch
 
 from cp_core.comm import collectives as comm
-from cp_core.errors import CPBatchError, CPLayoutError
+from cp_core.errors import CPBatchError, CPLayoutError, CPLayoutUnavailableError
 from cp_core.comm.mesh import cp_group, cp_size
+from cp_core.placement.layout import ShardLayout
 
 
 def _norm_dim(tensor: torch.Tensor, seq_dim: int) -> int:
@@ -126,7 +127,48 @@ def gather_token_tensor_by_indices(
     return gathered.index_select(dim, _inverse_permutation(flat))
 
 
+def data_dependent_error(verb: str) -> CPLayoutUnavailableError:
+    """The error of a token verb on a data-dependent layout before its first shard."""
+    return CPLayoutUnavailableError(
+        f"{verb} needs a layout: call sharder.shard(batch) first (this sharder's layout is "
+        "data-dependent: no token can be placed before the first shard)"
+    )
+
+
+def no_layout_for_gather_error(data_dependent: bool, trim: bool) -> CPLayoutUnavailableError:
+    """Why a gather without any recorded layout cannot run."""
+    # Data-dependent first: that is the more fundamental reason nothing can be placed.
+    if data_dependent:
+        return data_dependent_error("gather_token_tensor")
+    if trim:
+        return CPLayoutUnavailableError(
+            "gather_token_tensor(trim=True) has no shard layout to trim to: call "
+            "sharder.shard(batch) first (or assign sharder.shard_layout)"
+        )
+    # A static map could place the tokens, but a gather returns the stream of the last
+    # shard; with none recorded there is no length to check the result against.
+    return CPLayoutUnavailableError(
+        "gather_token_tensor needs a layout: call sharder.shard(batch) first (or assign "
+        "sharder.shard_layout); there is no recorded stream to gather into"
+    )
+
+
+def length_error(tensor: torch.Tensor, dim: int, layout: ShardLayout, padded: int) -> str:
+    """The message for a token tensor whose length the layout does not accept."""
+    accepted = [f"padded_seq_len={padded}"]
+    if layout.original_seq_len is not None and layout.original_seq_len != padded:
+        accepted.insert(0, f"original_seq_len={layout.original_seq_len} (with fill=)")
+    if layout.input_token_stream_positions is not None:
+        accepted.insert(0, f"[B, S] = {list(layout.input_token_stream_positions.shape)} "
+                           f"on dims ({dim - 1}, {dim})")
+    return (f"tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim "
+            f"{dim}; this layout accepts {', '.join(accepted)}")
+
+
 __all__ = [
+    "data_dependent_error",
+    "no_layout_for_gather_error",
+    "length_error",
     "shard_token_tensor_by_indices",
     "gather_token_tensor_by_indices",
     "reorder_gathered_token_tensor",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, get
 
 import torch
 
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.placement.runs import RankRuns, install_lazy_indices
 from cp_core.plan.rects import kind_bounds
 
@@ -78,6 +79,7 @@ class DocumentMask:
 
         return DocumentMask.deferred(shared, kind, window, chunk, segments=self._segments)
 
+    @outside_inference_mode  # kept for the step: never an inference tensor
     def _materialize(self) -> None:
         if self._ids is None:
             assert self._build is not None
@@ -94,10 +96,14 @@ class DocumentMask:
     def doc_ids(self) -> torch.Tensor:
         """``[B, S_pad]`` int64 document id of every stream position (0 == pad)."""
         if self._ids is None:
-            assert self._build is not None
-            self._ids, self._pos = self._build()
-            self._build = None
+            self._build_ids()
         return self._ids
+
+    @outside_inference_mode
+    def _build_ids(self) -> None:
+        assert self._build is not None
+        self._ids, self._pos = self._build()
+        self._build = None
 
     @property
     def doc_pos(self) -> torch.Tensor:

@@ -168,10 +168,16 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
             f"{_describe(plan)}; set cp.attention=causal (or sliding_window / chunked)"
         )
     if not is_causal and plan.kind != "bidirectional":
+        # Most often another part of the model (a vision tower, an encoder) whose length
+        # happens to equal the local length: switching the sharder's kind would break the
+        # decoder, so scoping comes first.
         raise CPAttentionError(
             f"the model calls bidirectional attention (no mask, is_causal=False) but "
-            f"{_describe(plan)}; set cp.attention=bidirectional if the model really attends "
-            "in both directions"
+            f"{_describe(plan)}. If this call is not the sharded decoder's self-attention (a "
+            "vision tower or an encoder inside the model), scope the step to the decoder: "
+            "`with ctx(modules=[model.model.language_model]):` (ctx from sharder.shard(batch)), "
+            "and its other attention runs untouched. Only when the sharded model itself "
+            "attends in both directions, set cp.attention=bidirectional"
         )
 
 

@@ -20,6 +20,7 @@ import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.errors import CPConfigError
 from cp_core.plugins import EntryPointGroup
 
@@ -87,6 +88,7 @@ def get_transport(name: str) -> Callable[..., Any]:
     return _PLUGINS.get(name)
 
 
+@outside_inference_mode  # what it builds is kept on the plan for the whole step
 def prepare_transport(transport: Callable[..., Any], plan: Any) -> None:
     """Run the transport's ``prepare(plan)`` hook when it has one."""
     prepare = getattr(transport, "prepare", None)

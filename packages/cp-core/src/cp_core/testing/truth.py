@@ -245,5 +245,34 @@ def truth_contiguous_need(ids: torch.Tensor, cp: int) -> torch.Tensor:
     return need
 
 
+def per_document_step(model: nn.Module, batch: Mapping[str, Any]
+                      ) -> tuple[float, dict[str, torch.Tensor]]:
+    """``(loss, gradients)`` from running every document of ``batch`` alone through ``model``
+    (a copy; its own ``[1, n]`` row, positions ``0 .. n-1``, no mask, no packing), the loss
+    being the summed ``F.cross_entropy`` of the documents' labels over the label count. The
+    documents come from :func:`truth_documents`; ``model(input_ids=, position_ids=)`` returns
+    logits or an object with ``.logits`` (a Hugging Face model: run it with its own
+    ``attn_implementation="sdpa"``)."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    labels = batch["labels"].long()
+    docs = truth_documents(batch)
+    total = int((labels != -100).sum())
+    loss = torch.zeros(())
+    for b, row in enumerate(docs):
+        for d in sorted(set(row) - {0}):
+            cols = [i for i, v in enumerate(row) if v == d]
+            ids = batch["input_ids"][b:b + 1, cols]
+            out = ref(input_ids=ids, position_ids=torch.arange(len(cols)).unsqueeze(0))
+            logits = getattr(out, "logits", out)
+            loss = loss + F.cross_entropy(logits[0].float(), labels[b, cols], ignore_index=-100,
+                                          reduction="sum")
+    loss = loss / max(total, 1)
+    loss.backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in ref.named_parameters()}
+    return float(loss.detach()), grads
+
+
 __all__ = ["truth_documents", "truth_mask", "truth_positions", "explicit_mask_sdpa",
-           "truth_step", "truth_contiguous_need"]
+           "truth_step", "per_document_step", "truth_contiguous_need"]

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from cp_core.placement.normal_tensors import outside_inference_mode
 from cp_core.plan.slices import BAND, CAUSAL, FULL, Piece
 from cp_core.runtime.kernels.explicit import CAUSAL_LEAF, ExplicitKernel, MathKernel
 
@@ -205,6 +206,7 @@ def kernel_for(device: torch.device, name: str = "auto", softcap: float | None =
 
 
 @functools.lru_cache(maxsize=256)
+@outside_inference_mode  # cached across steps: never an inference tensor
 def band_mask(nq: int, nk: int, dlo: int, dhi: int, dtype: torch.dtype, device: torch.device
               ) -> torch.Tensor:
     """Additive ``[nq, nk]`` mask, 0 where ``dlo <= u - r <= dhi`` and -inf elsewhere.
