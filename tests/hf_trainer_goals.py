@@ -1,0 +1,96 @@
+"""The CP Trainer goal matrix: every case against the single-process Trainer, as a table + JSON.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python tests/hf_trainer_goals.py [--steps 5] [--json out]``.
+Each case trains with the CP trainers on real gloo ranks (one pool per world size) and the
+same Trainer unsharded in this process (``"sdpa"``, per-device batch x dp); it prints the worst
+logged-loss difference and the worst relative weight and weight-update differences. Goals:
+loss <= 1e-5, weights <= 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import hf_trainer_cases as cases  # noqa: E402
+
+#: (world, cp, trainer, backend, checkpointing, extra run kwargs)
+MATRIX: list[tuple[int, int, str, str, str | None, dict[str, Any]]] = [
+    *[(4, 2, t, b, c, {}) for t in ("trainer", "sft_packing") for b in ("round_robin", "te_thd")
+      for c in ("non_reentrant", "reentrant")],
+    (4, 2, "custom", "round_robin", "non_reentrant", {}),
+    (4, 2, "custom", "te_thd", "reentrant", {}),
+    (4, 2, "sft_padding_free", "round_robin", "non_reentrant", {}),
+    (4, 2, "sft_padding_free", "te_thd", "reentrant", {}),
+    (4, 4, "trainer", "round_robin", "non_reentrant", {}),
+    (4, 4, "sft_packing", "te_thd", "reentrant", {}),
+    (4, 2, "trainer", "round_robin", "non_reentrant", {"sliding_window": 8}),
+    (4, 2, "sft_packing", "round_robin", "non_reentrant", {"evaluate": True}),
+    (2, 2, "trainer", "round_robin", "non_reentrant", {}),
+    (2, 2, "sft_packing", "te_thd", "reentrant", {}),
+]
+
+
+def rank_case(rank: int, world: int, trainer: str, cp_config: dict, dp: int,
+              kw: dict[str, Any]) -> dict[str, Any]:
+    """One CP run on this rank; rank 0 returns the weights."""
+    from cp_core.testing.multirank import load_module_file
+
+    c = load_module_file(os.path.join(HERE, "hf_trainer_cases.py"))
+    c.set_dist_env(rank, world)
+    out = c.run(trainer, cp_config=cp_config, dp=dp, **kw)
+    if rank != 0:
+        out["weights"] = None
+    return out
+
+
+def main() -> None:
+    """Run the matrix and print the table."""
+    from cp_core.testing.multirank import RankPool
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args()
+    refs: dict[Any, dict[str, Any]] = {}
+    rows = []
+    for world in sorted({m[0] for m in MATRIX}, reverse=True):
+        with RankPool(world, collective_timeout_s=120, run_timeout_s=600,
+                      env={"OMP_NUM_THREADS": "1"}) as pool:
+            for w, cp, trainer, backend, ckpt, extra in MATRIX:
+                if w != world:
+                    continue
+                dp = world // cp
+                kw = {"steps": opts.steps, "ckpt": ckpt, **extra}
+                key = (trainer, dp, json.dumps(extra, sort_keys=True))
+                if key not in refs:
+                    refs[key] = cases.run(trainer, dp=dp, **kw)
+                t0 = time.time()
+                got = pool.run(rank_case, trainer, {"backend": backend, "size": cp}, dp, kw)[0]
+                diff = cases.compare(got, refs[key], extra.get("sliding_window"))
+                row = {"dp": dp, "cp": cp, "trainer": trainer, "backend": backend,
+                       "checkpointing": ckpt, **extra, **diff, "wall_s": time.time() - t0,
+                       "losses": got["losses"], "ref_losses": refs[key]["losses"]}
+                rows.append(row)
+                print(f"dp={dp} cp={cp} {trainer:17s} {backend:12s} {str(ckpt):14s} "
+                      f"{json.dumps(extra):24s} loss {diff['loss']:.2e} weight "
+                      f"{diff['weight']:.2e} update {diff['update']:.2e}"
+                      + (f" eval_loss {diff['eval_loss']:.2e}" if "eval_loss" in diff else ""),
+                      flush=True)
+    worst_loss = max(r["loss"] for r in rows)
+    worst_weight = max(r["weight"] for r in rows)
+    print(f"worst: loss {worst_loss:.2e} (goal 1e-5), weight {worst_weight:.2e} (goal 1e-4)")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"steps": opts.steps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
