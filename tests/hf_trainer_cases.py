@@ -83,7 +83,7 @@ def _common_args(steps: int, accum: int, batch: int, ckpt: str | None, out: str)
 
 
 def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int = 3,
-        accum: int = 2, batch: int = 1, ckpt: str | None = "non_reentrant", n_examples: int = 60,
+        accum: int = 2, batch: int | None = None, ckpt: str | None = "non_reentrant", n_examples: int = 60,
         max_length: int = 64, sliding_window: int | None = None, evaluate: bool = False
         ) -> dict[str, Any]:
     """Train and return ``{"losses", "eval_loss", "weights"}`` (see the module doc).
@@ -91,12 +91,16 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
     ``trainer``: ``"trainer"`` (``Trainer`` + ``DataCollatorWithFlattening``), ``"custom"``
     (a user's ``Trainer`` subclass overriding ``compute_loss``), ``"sft_packing"`` (TRL,
     ``packing=True``) or ``"sft_padding_free"``. ``cp_config`` None: the unsharded reference,
-    with a per-device batch of ``batch * dp``.
+    with a per-device batch of ``batch * dp``. ``batch`` (per replica) defaults to 2 examples
+    for the flattening collators and 1 packed row for SFT packing.
     """
     import datasets
     import transformers
 
     cp = cp_config is not None
+    # Flattening collators pack the examples of one batch into a row: two per replica, so
+    # every row holds several documents; SFT packing packs rows of up to max_length already.
+    batch = batch if batch is not None else (1 if trainer == "sft_packing" else 2)
     model = tiny_llama("cp" if cp else "sdpa", sliding_window)
     per_device = batch if cp else batch * dp
     data = examples(n_examples)
@@ -104,6 +108,10 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
     args = _common_args(steps, accum, per_device, ckpt, out)
     extra: dict[str, Any] = {"cp_config": cp_config} if cp else {}
     eval_data = data[:4 * dp] if evaluate else None
+    if evaluate and not cp:
+        # One eval batch: the Trainer's eval_loss (a mean of batch means) is then the token
+        # mean over the eval set, which is what the CP trainers report.
+        args["per_device_eval_batch_size"] = len(eval_data)
     if trainer in ("trainer", "custom"):
         base = transformers.Trainer if trainer == "trainer" else _user_trainer()
         if cp:
@@ -120,7 +128,7 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
             from cp_core.hf import CPSFTTrainer as SFTTrainer  # noqa: N814
         packing = trainer == "sft_packing"
         config = SFTConfig(**args, packing=packing, padding_free=not packing,
-                           max_length=max_length, dataset_num_proc=None, eval_packing=False,
+                           max_length=max_length if packing else None, dataset_num_proc=None, eval_packing=False,
                            bf16=False)
         ds = datasets.Dataset.from_list(data)
         t = SFTTrainer(model=model, args=config, train_dataset=ds,
@@ -131,7 +139,19 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
     eval_loss = t.evaluate()["eval_loss"] if evaluate else None
     weights = {k: v.detach().clone() for k, v in t.accelerator.unwrap_model(t.model)
                .state_dict().items()}
-    return {"losses": losses, "eval_loss": eval_loss, "weights": weights}
+    return {"losses": losses, "eval_loss": eval_loss, "weights": weights,
+            "user_loss_calls": getattr(type(t), "calls", None)}
+
+
+def rank_case(rank: int, world: int, trainer: str, cp_config: dict, dp: int,
+              kw: dict[str, Any]) -> dict[str, Any]:
+    """One CP run on a rank of a gloo pool (:class:`cp_core.testing.multirank.RankPool`);
+    only rank 0 returns the weights."""
+    set_dist_env(rank, world)
+    out = run(trainer, cp_config=cp_config, dp=dp, **kw)
+    if rank != 0:
+        out["weights"] = None
+    return out
 
 
 def _user_trainer() -> type:

@@ -38,19 +38,6 @@ MATRIX: list[tuple[int, int, str, str, str | None, dict[str, Any]]] = [
 ]
 
 
-def rank_case(rank: int, world: int, trainer: str, cp_config: dict, dp: int,
-              kw: dict[str, Any]) -> dict[str, Any]:
-    """One CP run on this rank; rank 0 returns the weights."""
-    from cp_core.testing.multirank import load_module_file
-
-    c = load_module_file(os.path.join(HERE, "hf_trainer_cases.py"))
-    c.set_dist_env(rank, world)
-    out = c.run(trainer, cp_config=cp_config, dp=dp, **kw)
-    if rank != 0:
-        out["weights"] = None
-    return out
-
-
 def main() -> None:
     """Run the matrix and print the table."""
     from cp_core.testing.multirank import RankPool
@@ -73,7 +60,7 @@ def main() -> None:
                 if key not in refs:
                     refs[key] = cases.run(trainer, dp=dp, **kw)
                 t0 = time.time()
-                got = pool.run(rank_case, trainer, {"backend": backend, "size": cp}, dp, kw)[0]
+                got = pool.run(cases.rank_case, trainer, {"backend": backend, "size": cp}, dp, kw)[0]
                 diff = cases.compare(got, refs[key], extra.get("sliding_window"))
                 row = {"dp": dp, "cp": cp, "trainer": trainer, "backend": backend,
                        "checkpointing": ckpt, **extra, **diff, "wall_s": time.time() - t0,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from cp_core.errors import CPConfigError
-from cp_core.hf_trainer.inputs import DOCUMENT_KEYS
 
 
 def _unwrap(model: Any) -> Any:
@@ -90,44 +89,25 @@ def packs(args: Any, collator: Any) -> bool:
         return True
     if getattr(collator, "padding_free", False):
         return True
-    return bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
+    # TRL's "wrapped" packing cuts a stream of concatenated documents into rows and lets the
+    # row attend across them by design: those rows are one document each, here as unsharded.
+    bfd = getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") != "wrapped"
+    return bool(bfd or getattr(args, "padding_free", False))
 
 
-def check_packing_collator(args: Any, collator: Any, dataset: Any) -> None:
-    """Packing needs document boundaries from the collator (see :data:`DOCUMENT_KEYS`)."""
-    flattening = _flattening_collator(collator)
-    if flattening is False:
+def check_packing_collator(collator: Any) -> None:
+    """A flattening collator must say where its documents start.
+
+    ``DataCollatorWithFlattening`` without ``position_ids``, ``cu_seq_lens`` or ``seq_idx``
+    gives one row of several examples and nothing else: it would train as one document. TRL's
+    packing (BFD) always uses its own padding-free collator, which returns ``position_ids``;
+    every step also refuses a packed batch without document keys.
+    """
+    if _flattening_collator(collator) is False:
         raise CPConfigError(
             "DataCollatorWithFlattening(return_position_ids=False) gives no document "
             "boundaries: the packed row would train as one document; set "
             "return_position_ids=True (or return_flash_attn_kwargs / return_seq_idx)")
-    if flattening or not packs(args, collator):
-        return
-    if hasattr(collator, "padding_free") and not collator.padding_free \
-            and not getattr(collator, "return_position_ids", False) \
-            and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split"):
-        raise CPConfigError(
-            f"packing=True with a {type(collator).__name__}(padding_free=False) collator: the "
-            "packed documents' boundaries are lost; leave padding_free to SFTTrainer (it is on "
-            "with packing_strategy='bfd') or return position_ids")
-    keys = _probe_keys(collator, dataset)
-    if keys is not None and not any(k in keys for k in DOCUMENT_KEYS):
-        raise CPConfigError(
-            f"packing is on but the collator {type(collator).__name__} returns {sorted(keys)} "
-            f"and no document boundaries (one of {list(DOCUMENT_KEYS)}): the packed row would "
-            "train as one document")
-
-
-def _probe_keys(collator: Any, dataset: Any) -> set[str] | None:
-    """Keys of the collator's batch of the first two examples; None when it cannot be tried."""
-    if collator is None or dataset is None or not hasattr(dataset, "__len__") \
-            or not hasattr(dataset, "__getitem__") or len(dataset) == 0:
-        return None
-    try:
-        examples = [dataset[i] for i in range(min(2, len(dataset)))]
-        return set(collator(examples))
-    except Exception:  # the same batch fails in the first step, with its own error
-        return None
 
 
 __all__ = ["check_attention", "check_loss_options", "check_model_loss",

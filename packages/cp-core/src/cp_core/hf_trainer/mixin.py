@@ -78,7 +78,7 @@ class CPTrainerMixin:
         self._cp_delegate = self._delegates_loss()
         if self._cp_delegate and not self._fused_head_loss():
             checks.check_model_loss(trainer.model, trainer.model_accepts_loss_kwargs)
-        checks.check_packing_collator(trainer.args, trainer.data_collator, trainer.train_dataset)
+        checks.check_packing_collator(trainer.data_collator)
         self._cp_packs = checks.packs(trainer.args, trainer.data_collator)
         self.cp_topology = build_topology(cfg.size, trainer.accelerator)
         self.cp_sharder = build_sharder({**cfg.model_dump(), "size": self.cp_topology.cp_size},
