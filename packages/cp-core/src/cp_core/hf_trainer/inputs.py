@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_core.documents import resolve_documents
+from cp_core.batch.documents import resolve_documents
 from cp_core.errors import CPBatchError
 from cp_core.labels import shift_labels
 
