@@ -71,28 +71,32 @@ def examples(n: int, seed: int = 0, lo: int = 5, hi: int = 40) -> list[dict[str,
     return out
 
 
-def _common_args(steps: int, accum: int, batch: int, ckpt: str | None, out: str) -> dict:
+def _common_args(steps: int, accum: int, batch: int, ckpt: str | None, out: str,
+                 sampling: str) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=batch,
                 gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5,
                 optim="sgd", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
                 logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                train_sampling_strategy="sequential", disable_tqdm=True,
+                train_sampling_strategy=sampling, disable_tqdm=True,
                 activation_checkpointing=ckpt is not None,
                 activation_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"},
                 per_device_eval_batch_size=batch, dataloader_drop_last=True)
 
 
 def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int = 3,
-        accum: int = 2, batch: int | None = None, ckpt: str | None = "non_reentrant", n_examples: int = 60,
-        max_length: int = 64, sliding_window: int | None = None, evaluate: bool = False
-        ) -> dict[str, Any]:
+        accum: int = 2, batch: int | None = None, ckpt: str | None = "non_reentrant",
+        n_examples: int = 60,
+        max_length: int = 64, sliding_window: int | None = None, evaluate: bool = False,
+        sampling: str = "sequential") -> dict[str, Any]:
     """Train and return ``{"losses", "eval_loss", "weights"}`` (see the module doc).
 
     ``trainer``: ``"trainer"`` (``Trainer`` + ``DataCollatorWithFlattening``), ``"custom"``
     (a user's ``Trainer`` subclass overriding ``compute_loss``), ``"sft_packing"`` (TRL,
     ``packing=True``) or ``"sft_padding_free"``. ``cp_config`` None: the unsharded reference,
     with a per-device batch of ``batch * dp``. ``batch`` (per replica) defaults to 2 examples
-    for the flattening collators and 1 packed row for SFT packing.
+    for the flattening collators and 1 packed row for SFT packing. ``sampling``: the Trainer's
+    ``train_sampling_strategy`` (``batch_rebalance`` forms other micro-batches per replica, over
+    the same examples per step).
     """
     import datasets
     import transformers
@@ -105,7 +109,7 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
     per_device = batch if cp else batch * dp
     data = examples(n_examples)
     out = tempfile.mkdtemp(prefix="cp_hf_trainer_")
-    args = _common_args(steps, accum, per_device, ckpt, out)
+    args = _common_args(steps, accum, per_device, ckpt, out, sampling)
     extra: dict[str, Any] = {"cp_config": cp_config} if cp else {}
     eval_data = data[:4 * dp] if evaluate else None
     if evaluate and not cp:
@@ -128,7 +132,8 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
             from cp_core.hf import CPSFTTrainer as SFTTrainer  # noqa: N814
         packing = trainer == "sft_packing"
         config = SFTConfig(**args, packing=packing, padding_free=not packing,
-                           max_length=max_length if packing else None, dataset_num_proc=None, eval_packing=False,
+                           max_length=max_length if packing else None, dataset_num_proc=None,
+                           eval_packing=False,
                            bf16=False)
         ds = datasets.Dataset.from_list(data)
         t = SFTTrainer(model=model, args=config, train_dataset=ds,

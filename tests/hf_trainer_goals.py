@@ -27,6 +27,8 @@ MATRIX: list[tuple[int, int, str, str, str | None, dict[str, Any]]] = [
       for c in ("non_reentrant", "reentrant")],
     (4, 2, "custom", "round_robin", "non_reentrant", {}),
     (4, 2, "custom", "te_thd", "reentrant", {}),
+    (4, 2, "custom", "round_robin", "non_reentrant", {"sampling": "batch_rebalance"}),
+    (4, 4, "trainer", "te_thd", "reentrant", {"sampling": "batch_rebalance"}),
     (4, 2, "sft_padding_free", "round_robin", "non_reentrant", {}),
     (4, 2, "sft_padding_free", "te_thd", "reentrant", {}),
     (4, 4, "trainer", "round_robin", "non_reentrant", {}),
@@ -38,6 +40,11 @@ MATRIX: list[tuple[int, int, str, str, str | None, dict[str, Any]]] = [
 ]
 
 
+def _label(row: tuple) -> str:
+    world, cp, trainer, backend, ckpt, extra = row
+    return f"dp={world // cp} cp={cp} {trainer} {backend} {ckpt} {json.dumps(extra)}"
+
+
 def main() -> None:
     """Run the matrix and print the table."""
     from cp_core.testing.multirank import RankPool
@@ -45,13 +52,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default="", help="run the rows whose label contains this")
     opts = parser.parse_args()
     refs: dict[Any, dict[str, Any]] = {}
     rows = []
-    for world in sorted({m[0] for m in MATRIX}, reverse=True):
+    matrix = [m for m in MATRIX if opts.only in _label(m)]
+    for world in sorted({m[0] for m in matrix}, reverse=True):
         with RankPool(world, collective_timeout_s=120, run_timeout_s=600,
                       env={"OMP_NUM_THREADS": "1"}) as pool:
-            for w, cp, trainer, backend, ckpt, extra in MATRIX:
+            for w, cp, trainer, backend, ckpt, extra in matrix:
                 if w != world:
                     continue
                 dp = world // cp
@@ -60,7 +69,8 @@ def main() -> None:
                 if key not in refs:
                     refs[key] = cases.run(trainer, dp=dp, **kw)
                 t0 = time.time()
-                got = pool.run(cases.rank_case, trainer, {"backend": backend, "size": cp}, dp, kw)[0]
+                cp_config = {"backend": backend, "size": cp}
+                got = pool.run(cases.rank_case, trainer, cp_config, dp, kw)[0]
                 diff = cases.compare(got, refs[key], extra.get("sliding_window"))
                 row = {"dp": dp, "cp": cp, "trainer": trainer, "backend": backend,
                        "checkpointing": ckpt, **extra, **diff, "wall_s": time.time() - t0,

@@ -90,6 +90,58 @@ def test_unknown_non_token_key_is_refused_by_name() -> None:
         prepare_full_batch(batch)
 
 
+def test_parallelism_config_cp_dimension_is_the_cp_group() -> None:
+    from types import SimpleNamespace
+
+    from cp_core.hf_trainer.topology import build_topology
+
+    class Mesh:  # accelerate's device mesh as the topology reads it
+        mesh_dim_names = ("dp_shard", "cp")
+
+        def __getitem__(self, name: str) -> str:
+            return f"mesh[{name}]"
+
+    def accelerator(cp: int, tp: int = 1, mesh: Any = Mesh()) -> Any:
+        return SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=cp, tp_size=tp),
+                               torch_device_mesh=mesh)
+
+    topo = build_topology(None, accelerator(2))
+    assert (topo.cp_mesh, topo.cp_size, topo.from_parallelism_config) == ("mesh[cp]", 2, True)
+    with pytest.raises(CPConfigError, match=r"cp_config\['size'\]=4 but parallelism_config"):
+        build_topology(4, accelerator(2))
+    with pytest.raises(CPConfigError, match="tp_size=2"):
+        build_topology(None, accelerator(2, tp=2))
+    with pytest.raises(CPConfigError, match="no 'cp'"):
+        build_topology(None, accelerator(2, mesh=None))
+
+
+def test_data_split_over_dp_only_is_checked_and_rebalanced() -> None:
+    from types import SimpleNamespace
+
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    from cp_core.hf_trainer.topology import CPTopology, check_loader_split, rebalance_over_dp
+
+    topo = CPTopology(None, None, cp_size=2, dp_size=2, dp_rank=1, world=4,
+                      from_parallelism_config=False)
+    over_world = SimpleNamespace(batch_sampler=SimpleNamespace(num_processes=4, process_index=3))
+    with pytest.raises(CPConfigError, match=r"split as \(processes, index\)=\(4, 3\)"):
+        check_loader_split(over_world, topo, "train")
+    check_loader_split(SimpleNamespace(batch_sampler=SimpleNamespace(
+        num_processes=2, process_index=1)), topo, "train")
+    # The Trainer builds the rank-aware sampler over all 4 processes (2 examples each).
+    built = BatchRebalanceSampler(lengths=list(range(1, 33)), effective_batch_size=16,
+                                  dp_size=4, grad_accum=2, rank=3)
+    fixed = rebalance_over_dp(built, topo)
+    assert (fixed.dp_size, fixed.rank, fixed.effective_batch_size) == (2, 1, 8)
+    wrapped = SimpleNamespace(batch_sampler=SimpleNamespace(
+        batch_sampler=fixed, num_processes=1, process_index=0))
+    check_loader_split(wrapped, topo, "train")  # the sampler splits itself, over dp
+    with pytest.raises(CPConfigError, match="expected \\(2, 1\\)"):
+        check_loader_split(SimpleNamespace(batch_sampler=SimpleNamespace(
+            batch_sampler=built, num_processes=1, process_index=0)), topo, "train")
+
+
 def _trainer(**kw: Any) -> Any:
     import transformers
 

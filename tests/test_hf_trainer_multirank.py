@@ -8,8 +8,8 @@ moves the weights; AdamW would hide it). The logged losses must agree to 1e-5 an
 to 1e-4 relative; the weight *updates* to 1e-3 relative (what a wrong scale or a wrong document
 boundary moves by 10% or more). Cases cover dp=2 x cp=2, dp=1 x cp=4 and dp=1 x cp=2, both
 trainers, round_robin and te_thd, reentrant and non-reentrant checkpointing, TRL packing and
-padding-free, ``with_cp`` over a user's Trainer subclass, a sliding-window model and
-``eval_loss``.
+padding-free, ``with_cp`` over a user's Trainer subclass, transformers' rank-aware
+``batch_rebalance`` sampler, a sliding-window model and ``eval_loss``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ STEPS = 2
 #: (world, cp, trainer, backend, checkpointing, extra run kwargs)
 CASES = [
     (4, 2, "trainer", "round_robin", "non_reentrant", {"sliding_window": 8}),
-    (4, 2, "custom", "te_thd", "reentrant", {}),
+    (4, 2, "custom", "te_thd", "reentrant", {"sampling": "batch_rebalance"}),
     (4, 2, "sft_packing", "te_thd", "non_reentrant", {"evaluate": True}),
     (4, 2, "sft_padding_free", "round_robin", "reentrant", {}),
     (4, 4, "trainer", "te_thd", "reentrant", {}),
@@ -65,7 +65,8 @@ def _pool(world: int) -> RankPool:
 
 def _case_id(case: tuple) -> str:
     world, cp, trainer, backend, ckpt, extra = case
-    return f"dp{world // cp}xcp{cp}-{trainer}-{backend}-{ckpt}" + "".join(f"-{k}" for k in extra)
+    return f"dp{world // cp}xcp{cp}-{trainer}-{backend}-{ckpt}" + "".join(
+        f"-{v if isinstance(v, str) else k}" for k, v in extra.items())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -74,7 +75,7 @@ def test_cp_trainer_matches_the_unsharded_trainer(pools: dict[int, RankPool], ca
     world, cp, trainer, backend, ckpt, extra = case
     dp = world // cp
     kw = {"steps": STEPS, "ckpt": ckpt, **extra}
-    key = (trainer, dp, tuple(sorted(extra)))
+    key = (trainer, dp, tuple(sorted(extra.items())))
     if key not in _REFS:
         _REFS[key] = cases.run(trainer, dp=dp, **kw)
     results = _pool(world).run(cases.rank_case, trainer, {"backend": backend, "size": cp}, dp, kw)

@@ -173,7 +173,8 @@ def local_model_inputs(local: Mapping[str, Any], extra: Mapping[str, torch.Tenso
     """The model's keyword arguments for one rank's shard.
 
     ``local``: the sharder's local batch (after ``cp_core.hf.model_rows``). Keeps the tokens
-    and positions, passes the shifted targets as ``labels`` and ``shift_labels``, shards every
+    and positions, passes the shifted targets as ``labels`` and ``shift_labels`` (and
+    ``use_cache=False``), shards every
     ``extra`` per-token tensor with ``sharder.shard_token_tensor``; the sharder's own keys
     (pad masks, boundary lists, the THD metadata) stay out: the context holds them.
     """
@@ -183,6 +184,8 @@ def local_model_inputs(local: Mapping[str, Any], extra: Mapping[str, torch.Tenso
             out[key] = local[key]
     out["labels"] = local["labels"]
     out["shift_labels"] = local["labels"]
+    # No KV cache in training; Hugging Face would otherwise build one per step.
+    out["use_cache"] = False
     for key, value in extra.items():
         out[key] = sharder.shard_token_tensor(value, seq_dim=1)
     return out

@@ -32,7 +32,7 @@ from cp_core.hf_trainer import checks
 from cp_core.hf_trainer.inputs import (DOCUMENT_KEYS, IGNORE_INDEX, FullBatch,
                                        local_model_inputs, prepare_full_batch)
 from cp_core.hf_trainer.topology import (CPTopology, build_topology, check_loader_split,
-                                         route_loader_mesh)
+                                         rebalance_over_dp, route_loader_mesh)
 from cp_core.registry import build_sharder, resolve_config
 
 
@@ -195,12 +195,13 @@ class CPTrainerMixin:
                 "compute_loss of a CP Trainer was called outside its CP step; call "
                 "training_step / prediction_step (they shard the batch and shift the labels)")
         if self._cp_delegate:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,  # type: ignore[misc]
-                                        num_items_in_batch=num_items_in_batch)
+            parent: Any = super()
+            return parent.compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         inputs.pop("shift_labels", None)
-        outputs = model(**inputs, use_cache=False)
+        outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                     labels.reshape(-1).to(logits.device),
@@ -246,6 +247,11 @@ class CPTrainerMixin:
         return output
 
     # -- the Trainer's data and parallelism hooks -------------------------------------------
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's sampler; a rank-aware one (``batch_rebalance``) rebuilt over DP only."""
+        sampler = super()._get_train_sampler(*args, **kwargs)  # type: ignore[misc]
+        return rebalance_over_dp(sampler, self.cp_topology)
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's loader, checked to split over DP only."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 try:
     from trl import SFTTrainer
 except ImportError as exc:  # pragma: no cover - exercised without trl
-    raise ImportError("CPSFTTrainer needs TRL; install it with: pip install 'cp-core[trl]'") from exc
+    raise ImportError(
+        "CPSFTTrainer needs TRL; install it with: pip install 'cp-core[trl]'") from exc
 
 from cp_core.hf_trainer.mixin import CPTrainerMixin
 

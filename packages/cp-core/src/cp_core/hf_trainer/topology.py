@@ -94,9 +94,10 @@ def build_topology(size: int | None, accelerator: Any) -> CPTopology:
     world, rank = _world()
     cp = world if size is None else int(size)
     if cp < 1 or world % cp:
+        sizes = [d for d in range(1, world + 1) if world % d == 0]
         raise CPConfigError(
             f"cp_config['size']={size} does not divide the world size {world}: the world is "
-            f"dp x cp ranks; pick a size among {[d for d in range(1, world + 1) if world % d == 0]}")
+            f"dp x cp ranks; pick a size among {sizes}")
     dp = world // cp
     if world == 1:
         return CPTopology(None, None, 1, 1, 0, 1, False)
@@ -115,8 +116,25 @@ def route_loader_mesh(accelerator: Any, topology: CPTopology) -> None:
     accelerator._prepare_device_mesh = lambda: mesh
 
 
+def rebalance_over_dp(sampler: Any, topology: CPTopology) -> Any:
+    """A rank-aware batch sampler (transformers' ``BatchRebalanceSampler``, which the Trainer
+    builds over every process) rebuilt over the DP replicas; any other sampler unchanged."""
+    if type(sampler).__name__ != "BatchRebalanceSampler" or topology.world == 1:
+        return sampler
+    per_replica = sampler.effective_batch_size // sampler.dp_size
+    return type(sampler)(lengths=sampler.lengths,
+                         effective_batch_size=per_replica * topology.dp_size,
+                         dp_size=topology.dp_size, grad_accum=sampler.grad_accum,
+                         shuffle=sampler.shuffle, seed=sampler.seed, rank=topology.dp_rank,
+                         drop_last=sampler.drop_last)
+
+
 def _split_of(loader: Any) -> tuple[int, int] | None:
-    for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)):
+    outer = getattr(loader, "batch_sampler", None)
+    inner = getattr(outer, "batch_sampler", outer)
+    if hasattr(inner, "dp_size") and hasattr(inner, "rank"):  # rank-aware: it splits itself
+        return int(inner.dp_size), int(inner.rank)
+    for holder in (outer, getattr(loader, "dataset", None)):
         n = getattr(holder, "num_processes", None)
         if n is not None:
             return int(n), int(getattr(holder, "process_index", 0))
@@ -140,8 +158,9 @@ def check_loader_split(loader: Any, topology: CPTopology, what: str) -> None:
     if split != expected and not (split is not None and split[0] == 1 == topology.dp_size):
         raise CPConfigError(
             f"the {what} data loader is split as (processes, index)={split}, expected "
-            f"{expected}: the CP ranks of a replica must load the same batches (dp={topology.dp_size}"
-            f" x cp={topology.cp_size})")
+            f"{expected}: the CP ranks of a replica must load the same batches "
+            f"(dp={topology.dp_size} x cp={topology.cp_size})")
 
 
-__all__ = ["CPTopology", "build_topology", "route_loader_mesh", "check_loader_split"]
+__all__ = ["CPTopology", "build_topology", "route_loader_mesh", "check_loader_split",
+           "rebalance_over_dp"]
