@@ -98,7 +98,6 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
     ``train_sampling_strategy`` (``batch_rebalance`` forms other micro-batches per replica, over
     the same examples per step).
     """
-    import datasets
     import transformers
 
     cp = cp_config is not None
@@ -126,6 +125,7 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
                  eval_dataset=eval_data,
                  data_collator=transformers.DataCollatorWithFlattening(), **extra)
     else:
+        import datasets
         from trl import SFTConfig, SFTTrainer
 
         if cp:

@@ -9,7 +9,8 @@ to 1e-4 relative; the weight *updates* to 1e-3 relative (what a wrong scale or a
 boundary moves by 10% or more). Cases cover dp=2 x cp=2, dp=1 x cp=4 and dp=1 x cp=2, both
 trainers, round_robin and te_thd, reentrant and non-reentrant checkpointing, TRL packing and
 padding-free, ``with_cp`` over a user's Trainer subclass, transformers' rank-aware
-``batch_rebalance`` sampler, a sliding-window model and ``eval_loss``.
+``batch_rebalance`` sampler, a sliding-window model and ``eval_loss`` (each feature once, to
+keep the suite's CPU small; ``tests/hf_trainer_goals.py`` runs every combination, 5 steps).
 """
 
 from __future__ import annotations
@@ -34,11 +35,9 @@ STEPS = 2
 #: (world, cp, trainer, backend, checkpointing, extra run kwargs)
 CASES = [
     (4, 2, "trainer", "round_robin", "non_reentrant", {"sliding_window": 8}),
-    (4, 2, "custom", "te_thd", "reentrant", {"sampling": "batch_rebalance"}),
-    (4, 2, "sft_packing", "te_thd", "non_reentrant", {"evaluate": True}),
-    (4, 2, "sft_padding_free", "round_robin", "reentrant", {}),
-    (4, 4, "trainer", "te_thd", "reentrant", {}),
-    (4, 4, "sft_packing", "round_robin", "non_reentrant", {}),
+    (4, 2, "sft_packing", "te_thd", "reentrant", {"evaluate": True}),
+    (4, 4, "custom", "te_thd", "reentrant", {"sampling": "batch_rebalance"}),
+    (4, 4, "sft_padding_free", "round_robin", "non_reentrant", {}),
     (2, 2, "trainer", "te_thd", "non_reentrant", {}),
     (2, 2, "sft_packing", "round_robin", "reentrant", {}),
 ]

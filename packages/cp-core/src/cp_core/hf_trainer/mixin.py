@@ -21,6 +21,7 @@ What the mixin changes in the Trainer's own loop, and why:
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -103,11 +104,10 @@ class CPTrainerMixin:
 
     def _fused_head_loss(self) -> bool:
         """TRL's SFTTrainer scores pre-shifted ``shift_labels`` with its fused LM head."""
-        try:
-            from trl import SFTTrainer
-        except ImportError:
-            return False
-        return isinstance(self, SFTTrainer)
+        # An SFTTrainer instance means TRL's module is loaded: never import TRL just to ask.
+        module = sys.modules.get("trl.trainer.sft_trainer")
+        sft = getattr(module, "SFTTrainer", None)
+        return sft is not None and isinstance(self, sft)
 
     def _loss_multiplier(self) -> int:
         """What the Trainer's ``compute_loss`` multiplies a ``num_items_in_batch`` loss by."""
