@@ -182,5 +182,8 @@ def test_cp_core_hf_imports_without_trl(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "trl", None)  # "not installed"
     hf = importlib.import_module("cp_core.hf")
     assert hf.CPTrainer.__name__ == "CPTrainer" and callable(hf.with_cp)
+    namespace: dict[str, Any] = {}
+    exec("from cp_core.hf import *", namespace)  # a star import needs no TRL either
+    assert "CPTrainer" in namespace and "CPSFTTrainer" not in namespace
     with pytest.raises(ImportError, match=r"cp-core\[trl\]"):
         hf.CPSFTTrainer

@@ -147,5 +147,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["NAME", "cp_attention_forward", "cp_mask", "model_rows", "register",
-           *_TRAINER_NAMES]
+# CPSFTTrainer stays out of __all__: a star import must not need TRL.
+__all__ = ["NAME", "cp_attention_forward", "cp_mask", "model_rows", "register", "CPTrainer",
+           "CPTrainerMixin", "with_cp"]

@@ -1,7 +1,8 @@
 """What a CP Trainer refuses, from its constructor, before any step.
 
 Each check raises :class:`~cp_core.errors.CPConfigError` naming the setting and what would
-work: a model whose attention is not ``attn_implementation="cp"``, Trainer options whose
+work: a CP size that does not divide the world, a model whose attention is not
+``attn_implementation="cp"``, Trainer options whose
 loss would shift the already shifted labels (label smoothing, ``compute_loss_func``), a loss
 that ignores ``shift_labels``, and a packing collator that leaves out where documents start.
 """
@@ -37,6 +38,18 @@ def check_attention(model: Any) -> None:
                 f"attn_implementation={impl!r} on {type(cfg).__name__}: a CP Trainer needs the "
                 "model built with attn_implementation='cp' (import cp_core.hf first; e.g. "
                 "AutoModelForCausalLM.from_pretrained(..., attn_implementation='cp'))")
+
+
+def check_world_size(args: Any, size: int | None) -> None:
+    """``cp_config['size']`` must divide the world (the accelerate-mesh case is checked later)."""
+    if size is None or args is None or getattr(args, "parallelism_config", None) is not None:
+        return
+    world = int(getattr(args, "world_size", 1) or 1)
+    if world % size:
+        sizes = [d for d in range(1, world + 1) if world % d == 0]
+        raise CPConfigError(
+            f"cp_config['size']={size} does not divide the world size {world}: the world is "
+            f"dp x cp ranks; pick a size among {sizes}")
 
 
 def check_loss_options(args: Any, compute_loss_func: Any) -> None:
@@ -110,5 +123,5 @@ def check_packing_collator(collator: Any) -> None:
             "return_position_ids=True (or return_flash_attn_kwargs / return_seq_idx)")
 
 
-__all__ = ["check_attention", "check_loss_options", "check_model_loss",
+__all__ = ["check_attention", "check_world_size", "check_loss_options", "check_model_loss",
            "check_packing_collator", "packs"]

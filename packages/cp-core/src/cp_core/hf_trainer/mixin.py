@@ -72,6 +72,12 @@ class CPTrainerMixin:
                 f"{type(self).__name__} needs cp_config=, the CP sharder config mapping (as "
                 "Hydra's cp group holds it), e.g. cp_config={'backend': 'round_robin', 'size': 2}")
         _, cfg = resolve_config(cp_config)
+        # What can be refused from the arguments alone is refused before the Trainer (TRL
+        # tokenises and packs the datasets in its constructor).
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, torch.nn.Module):
+            checks.check_attention(model)
+        checks.check_world_size(kwargs.get("args", args[1] if len(args) > 1 else None), cfg.size)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         trainer: Any = self
         checks.check_loss_options(trainer.args, trainer.compute_loss_func)
