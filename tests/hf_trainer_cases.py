@@ -87,7 +87,7 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
         accum: int = 2, batch: int | None = None, ckpt: str | None = "non_reentrant",
         n_examples: int = 60,
         max_length: int = 64, sliding_window: int | None = None, evaluate: bool = False,
-        sampling: str = "sequential") -> dict[str, Any]:
+        sampling: str = "sequential", bf16: bool = False) -> dict[str, Any]:
     """Train and return ``{"losses", "eval_loss", "weights"}`` (see the module doc).
 
     ``trainer``: ``"trainer"`` (``Trainer`` + ``DataCollatorWithFlattening``), ``"custom"``
@@ -96,7 +96,7 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
     with a per-device batch of ``batch * dp``. ``batch`` (per replica) defaults to 2 examples
     for the flattening collators and 1 packed row for SFT packing. ``sampling``: the Trainer's
     ``train_sampling_strategy`` (``batch_rebalance`` forms other micro-batches per replica, over
-    the same examples per step).
+    the same examples per step). ``bf16``: SFT under bf16 autocast (TRL's default).
     """
     import transformers
 
@@ -133,8 +133,7 @@ def run(trainer: str, *, cp_config: dict | None = None, dp: int = 1, steps: int 
         packing = trainer == "sft_packing"
         config = SFTConfig(**args, packing=packing, padding_free=not packing,
                            max_length=max_length if packing else None, dataset_num_proc=None,
-                           eval_packing=False,
-                           bf16=False)
+                           eval_packing=False, bf16=bf16)
         ds = datasets.Dataset.from_list(data)
         t = SFTTrainer(model=model, args=config, train_dataset=ds,
                        eval_dataset=datasets.Dataset.from_list(eval_data) if evaluate else None,

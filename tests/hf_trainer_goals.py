@@ -4,7 +4,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python tests/hf_trainer_goals.py [--steps 5] 
 Each case trains with the CP trainers on real gloo ranks (one pool per world size) and the
 same Trainer unsharded in this process (``"sdpa"``, per-device batch x dp); it prints the worst
 logged-loss difference and the worst relative weight and weight-update differences. Goals:
-loss <= 1e-5, weights <= 1e-4 relative.
+loss <= 1e-5, weights <= 1e-4 relative in fp32 (the bf16 autocast row: 2e-2).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ MATRIX: list[tuple[int, int, str, str, str | None, dict[str, Any]]] = [
     (4, 4, "sft_packing", "te_thd", "reentrant", {}),
     (4, 2, "trainer", "round_robin", "non_reentrant", {"sliding_window": 8}),
     (4, 2, "sft_packing", "round_robin", "non_reentrant", {"evaluate": True}),
+    (4, 2, "sft_packing", "te_thd", "non_reentrant", {"bf16": True}),
     (2, 2, "trainer", "round_robin", "non_reentrant", {}),
     (2, 2, "sft_packing", "te_thd", "reentrant", {}),
 ]
@@ -81,9 +82,11 @@ def main() -> None:
                       f"{diff['weight']:.2e} update {diff['update']:.2e}"
                       + (f" eval_loss {diff['eval_loss']:.2e}" if "eval_loss" in diff else ""),
                       flush=True)
-    worst_loss = max(r["loss"] for r in rows)
-    worst_weight = max(r["weight"] for r in rows)
-    print(f"worst: loss {worst_loss:.2e} (goal 1e-5), weight {worst_weight:.2e} (goal 1e-4)")
+    fp32 = [r for r in rows if not r.get("bf16")] or rows
+    worst_loss = max(r["loss"] for r in fp32)
+    worst_weight = max(r["weight"] for r in fp32)
+    print(f"worst fp32: loss {worst_loss:.2e} (goal 1e-5), weight {worst_weight:.2e} "
+          "(goal 1e-4)")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"steps": opts.steps, "rows": rows}, f, indent=1)
