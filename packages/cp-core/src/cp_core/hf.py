@@ -18,6 +18,10 @@ backend's context:
   :class:`~cp_core.errors.CPAttentionError` naming the setting.
 
 transformers stays optional (extra ``cp-core[hf]``); nothing else in cp_core imports it.
+
+``CPTrainer``, ``CPSFTTrainer`` (TRL, extra ``cp-core[trl]``) and ``with_cp(TrainerClass)``
+run the Trainer's own loop under CP (:mod:`cp_core.hf_trainer`); they are imported on first
+use.
 """
 
 from __future__ import annotations
@@ -132,4 +136,19 @@ def register() -> None:
 
 register()
 
-__all__ = ["NAME", "cp_attention_forward", "cp_mask", "model_rows", "register"]
+#: Trainer integrations (:mod:`cp_core.hf_trainer`), imported on first use so that importing
+#: this module needs neither TRL nor the Trainer machinery.
+_TRAINER_NAMES = ("CPTrainer", "CPSFTTrainer", "CPTrainerMixin", "with_cp")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRAINER_NAMES:
+        import cp_core.hf_trainer as trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# CPSFTTrainer stays out of __all__: a star import must not need TRL.
+__all__ = ["NAME", "cp_attention_forward", "cp_mask", "model_rows", "register", "CPTrainer",
+           "CPTrainerMixin", "with_cp"]
