@@ -5,43 +5,67 @@ batch means the same documents everywhere. Sources, in order of precedence:
 
 1. ``_packed_seq_ids`` ``[B, S]``: 1-based document id per token, 0 for pad;
 2. ``seq_lens`` (+ ``seq_lens_padded``) and 3. ``cu_seqlens`` (+ ``cu_seqlens_padded``): the
-   THD boundary lists (:mod:`cp_core.batch.boundaries`; a row's documents may end before ``S``, the
-   rest being pad; lists are padded with the sentinel, -1000 unless configured);
-4. a 4-D block-causal ``attention_mask [B, 1, S, S]`` (its diagonal blocks);
-5. a 2-D integer ``attention_mask`` whose values go above 1 (1-based document ids, 0 pad);
-6. ``position_ids`` (``[B, S]``, ``[1, S]`` or ``[S]``) that go back to 0 inside a row: a
+   THD boundary lists (:mod:`cp_core.batch.boundaries`; a row's documents may end before
+   ``S``, the rest being pad; lists are padded with the sentinel, -1000 unless configured);
+4. Hugging Face's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (flat ``[N+1]``, as
+   ``DataCollatorWithFlattening`` gives them; :mod:`cp_core.batch.hf_keys`);
+5. a 4-D block-causal ``attention_mask [B, 1, S, S]`` (its diagonal blocks);
+6. a 2-D integer ``attention_mask`` whose values go above 1 (1-based document ids, 0 pad);
+7. Hugging Face's ``seq_idx`` ``[B, S]`` (0-based sequence index of every token);
+8. ``position_ids`` (``[B, S]``, ``[1, S]`` or ``[S]``) that go back to 0 inside a row: a
    document starts at each row start and at every position 0;
-7. otherwise each row is one document.
+9. otherwise each row is one document.
 
-Every source given must describe the same documents (compared on the real tokens) and the
-same pad, else :class:`CPBatchError` names both keys and the first token where they differ.
-Pad is the union of ``padding_mask`` (True == pad), a 2-D ``attention_mask`` (0 == pad) and
-what the sources above mark as pad. A pad token inside a document is a hole: the document
-stays one document (its tokens after the hole still see those before it), the hole is never
-attended. A token a document source marks as pad while ``labels``, ``attention_mask`` or
-``padding_mask`` says it is real is a contradiction (often 0-based ids) and is refused.
+Each source is read once, as runs (:mod:`cp_core.batch.source_runs`: one pass over the row
+for a per-token source, O(documents) for a boundary list), and sources are compared on their
+runs (:mod:`cp_core.batch.doc_runs`), never token by token. Every source given must describe
+the same documents (compared on the real tokens) and the same pad, else
+:class:`CPBatchError` names both keys and the first token where they differ. Pad is the union
+of ``padding_mask`` (True == pad), a 2-D ``attention_mask`` (0 == pad) and what the sources
+above mark as pad. A pad token inside a document is a hole: the document stays one document
+(its tokens after the hole still see those before it), the hole is never attended. A token a
+document source marks as pad while ``labels``, ``attention_mask`` or ``padding_mask`` says it
+is real is a contradiction (often 0-based ids) and is refused. The boundary lists and the
+collator keys (:data:`BOUNDARY_LIST_KEYS`) are dropped from the sharded batch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
-from cp_core.batch.normalise import resolve_primary
 from cp_core.batch.boundaries import (
     DEFAULT_SENTINEL,
     EXPLICIT_SOURCES,
-    segment_document_ids,
     segments_from_seq_lens,
 )
 from cp_core.batch.cu_seqlens import segments_from_cu_seqlens
+from cp_core.batch.doc_runs import (
+    DocRuns,
+    Intervals,
+    document_starts,
+    first_difference,
+    first_uncovered,
+    interval_positions,
+    merge_intervals,
+)
+from cp_core.batch.hf_keys import HF_COLLATOR_KEYS, cu_seq_lens_runs, seq_idx_runs
+from cp_core.batch.normalise import resolve_primary
+from cp_core.batch.source_runs import (
+    SourceRuns,
+    id_runs,
+    pad_mask_intervals,
+    position_runs,
+    segment_runs,
+    single_document_runs,
+    value_runs,
+)
 from cp_core.batch.sources import (
     ids_from_4d_mask,
-    ids_from_packed_seq_ids,
     ids_from_position_ids,
     is_indexed_mask,
-    position_ids_restart,
     position_rows,
     validate_document_ids,
 )
@@ -49,52 +73,60 @@ from cp_core.errors import CPBatchError
 
 #: Keys that only describe documents, in caller coordinates: a sharder reads them here and
 #: leaves them out of the local batch (``_packed_seq_ids`` is per token and is sharded).
+#: Hugging Face's flattening-collator keys are among them (see :mod:`cp_core.batch.hf_keys`).
 BOUNDARY_LIST_KEYS: tuple[str, ...] = ("seq_lens", "seq_lens_padded", "cu_seqlens",
-                                       "cu_seqlens_padded")
-#: Sources that also say which tokens are pad (``position_ids`` never do).
-_PAD_SOURCES = ("_packed_seq_ids", "seq_lens", "cu_seqlens", "attention_mask_4d",
-                "attention_mask_indexed")
+                                       "cu_seqlens_padded", *HF_COLLATOR_KEYS)
+#: Sources that also say which tokens are pad (``position_ids`` and ``seq_idx`` never do).
+_PAD_SOURCES = ("_packed_seq_ids", "seq_lens", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k",
+                "attention_mask_4d", "attention_mask_indexed")
 
 
 class Documents:
-    """The documents of a ``[B, S]`` batch.
+    """The documents of a ``[B, S]`` batch, held as runs (:class:`DocRuns`).
 
     Attributes:
-        ids: ``[B, S]`` int64, per row 1, 2, ... in order over the real tokens, 0 == pad.
         sources: the sources that were read, in precedence order (empty: one document per
             row); names are batch keys, with ``attention_mask_4d`` / ``attention_mask_indexed``
             for the two document forms of ``attention_mask``.
         source_pad: True when a document source (not only ``padding_mask`` / a 2-D
             ``attention_mask``) marks pad, so the local ``padding_mask`` must be rebuilt.
 
-    Built by :func:`resolve_documents`. When nothing can be refused (no source but restarting
-    ``position_ids``, or none), ``ids`` and ``sources`` are computed when first read, so a
-    static layout's shard does none of this work until attention needs the mask.
+    Built by :func:`resolve_documents`. Per-token ``ids`` are built from the runs when first
+    read. When nothing can be refused (no source but restarting ``position_ids``, or none)
+    the runs themselves are read when first needed, so a static layout's shard does none of
+    this work until attention needs the mask.
     """
 
-    def __init__(self, ids: torch.Tensor | Callable[[], torch.Tensor],
+    def __init__(self, runs: DocRuns | Callable[[], DocRuns],
                  sources: tuple[str, ...] | Callable[[], tuple[str, ...]],
-                 source_pad: bool = False,
-                 segments: Callable[[], tuple[Any, ...] | None] | None = None) -> None:
-        self._ids, self._sources, self.source_pad = ids, sources, source_pad
-        self._segments = segments
+                 source_pad: bool = False, device: torch.device | str = "cpu") -> None:
+        self._runs, self._sources, self.source_pad = runs, sources, source_pad
+        self._device = device
+        self._ids: torch.Tensor | None = None
+
+    def runs(self) -> DocRuns:
+        """The documents' first tokens and the pad intervals (flat stream positions)."""
+        if callable(self._runs):
+            self._runs = self._runs()  # every reader shares one scan
+        return self._runs
 
     def segments(self) -> tuple[Any, ...] | None:
         """``(starts, ends, rows, batch_size)`` numpy arrays, one entry per document (``rows``
-        its batch row, in row order), when every document is one hole-free run of a row (no
-        pad inside any row) and the ids were not built yet, else None: the attention
-        rectangles then cost O(documents) instead of O(tokens)."""
-        if self._segments is None or not callable(self._ids):
-            return None
-        if not hasattr(self, "_runs"):
-            self._runs = self._segments()  # every backend reader shares one scan
-        return self._runs
+        its batch row, in row order), when no token is pad (every document is then one
+        hole-free run), else None: the attention rectangles then cost O(documents) instead
+        of O(tokens)."""
+        return self.runs().segments()
+
+    @property
+    def has_pad(self) -> bool:
+        """Whether any token is pad (from the runs; no per-token tensor)."""
+        return self.runs().has_pad
 
     @property
     def ids(self) -> torch.Tensor:
-        """``[B, S]`` int64 document ids, 0 == pad."""
-        if callable(self._ids):
-            self._ids = self._ids()
+        """``[B, S]`` int64 document ids: per row 1, 2, ... over the real tokens, 0 == pad."""
+        if self._ids is None:
+            self._ids = self.runs().ids(self._device)
         return self._ids
 
     @property
@@ -122,14 +154,12 @@ class Documents:
         return torch.nn.functional.pad(self.ids, (0, extra), value=0)
 
 
-def _first(mask: torch.Tensor) -> tuple[int, int]:
-    row, col = (int(x) for x in mask.nonzero()[0])
-    return row, col
-
-
 def canonical_ids(ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Relabel ``ids`` over the ``real`` tokens: a new document wherever the id differs from
-    the previous real token's of the row (row starts included); 0 on the other tokens."""
+    the previous real token's of the row (row starts included); 0 on the other tokens.
+
+    The per-token definition of what :func:`cp_core.batch.doc_runs.document_starts` computes
+    on runs (kept as the reference the run form is tested against)."""
     seq = ids.shape[1]
     ar = torch.arange(seq, device=ids.device).expand_as(ids)
     last = torch.where(real, ar, torch.full_like(ar, -1)).cummax(dim=1).values
@@ -139,24 +169,35 @@ def canonical_ids(ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return torch.where(real, start.long().cumsum(1), torch.zeros_like(ids))
 
 
-def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device,
-                  sentinel: int | None) -> dict[str, torch.Tensor]:
-    """Document ids of every source the batch gives but ``position_ids``, in precedence order."""
-    found: dict[str, torch.Tensor] = {}
-    if batch.get("_packed_seq_ids") is not None:
-        found["_packed_seq_ids"] = ids_from_packed_seq_ids(batch["_packed_seq_ids"], bsz,
-                                                           seq).to(device)
+def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, sentinel: int | None
+                  ) -> dict[str, SourceRuns]:
+    """Runs of every source the batch gives but ``position_ids``, in precedence order."""
+    found: dict[str, SourceRuns] = {}
+    ids = batch.get("_packed_seq_ids")
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (bsz, seq):
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise CPBatchError(f"batch['_packed_seq_ids'] has shape {shape}, expected [B, S] "
+                               f"= [{bsz}, {seq}]")
+        found["_packed_seq_ids"] = id_runs(ids, "_packed_seq_ids", "_packed_seq_ids")
     for name in ("seq_lens", "cu_seqlens"):
         if any(batch.get(k) is not None for k in EXPLICIT_SOURCES[name]):
             parse = segments_from_seq_lens if name == "seq_lens" else segments_from_cu_seqlens
-            segs = parse(batch, bsz, seq, device, sentinel, trailing_pad=True)
-            found[name] = segment_document_ids(segs)
+            segs = parse(batch, bsz, seq, torch.device("cpu"), sentinel, trailing_pad=True)
+            found[name] = segment_runs(segs, name)
+    hf = cu_seq_lens_runs(batch, bsz, seq)
+    if hf is not None:
+        found[hf.name] = hf
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        found["attention_mask_4d"] = ids_from_4d_mask(mask.to(device), bsz, seq)
+        found["attention_mask_4d"] = value_runs(ids_from_4d_mask(mask, bsz, seq),
+                                                "attention_mask_4d")
     elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_indexed_mask(mask):
-        validate_document_ids(mask, "attention_mask")
-        found["attention_mask_indexed"] = mask.to(device=device, dtype=torch.long)
+        if tuple(mask.shape) != (bsz, seq):
+            raise CPBatchError(f"batch['attention_mask'] has shape {tuple(mask.shape)}, "
+                               f"expected [B, S] = [{bsz}, {seq}]")
+        found["attention_mask_indexed"] = id_runs(mask, "attention_mask_indexed",
+                                                  "attention_mask")
     elif mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         raise CPBatchError(
             f"batch['attention_mask'] has shape "
@@ -164,26 +205,26 @@ def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.de
             f"expected [B, S] (validity or document indices) or [B, 1, S, S] (block-causal), "
             f"with B = {bsz}, S = {seq}"
         )
+    by_index = seq_idx_runs(batch, bsz, seq)
+    if by_index is not None:
+        found["seq_idx"] = by_index
     return found
 
 
-def _position_source(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
-                     ) -> torch.Tensor | None:
-    """Document ids from restarting ``position_ids``, or None when they are no source."""
+def _position_source(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns | None:
+    """Runs of restarting ``position_ids``, or None when they are no source."""
     pos = position_rows(batch.get("position_ids"), bsz, seq)
-    return ids_from_position_ids(pos.to(device)) if position_ids_restart(pos) else None
+    return None if pos is None else position_runs(pos)
 
 
 def _key(name: str) -> str:
     return "attention_mask" if name.startswith("attention_mask") else name
 
 
-def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Pad from ``padding_mask`` and a 2-D ``attention_mask``, and which of them were given
-    (each as its "real" mask, for the contradiction check)."""
-    pad = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
-    says_real: dict[str, torch.Tensor] = {}
+def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int) -> dict[str, Intervals]:
+    """Pad intervals of ``padding_mask`` and of a 2-D ``attention_mask`` (0 == pad), for each
+    of them that was given: one reduction each when nothing is pad."""
+    out: dict[str, Intervals] = {}
     for key in ("padding_mask", "attention_mask"):
         t = batch.get(key)
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -192,51 +233,61 @@ def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.devi
             raise CPBatchError(
                 f"batch[{key!r}] has shape {tuple(t.shape)}, expected [B, S] = [{bsz}, {seq}]"
             )
-        key_pad = t.to(device=device, dtype=torch.bool)
-        key_pad = key_pad if key == "padding_mask" else ~key_pad
-        pad |= key_pad
-        says_real[key] = ~key_pad
-    return pad, says_real
+        any_pad = bool(t.any()) if key == "padding_mask" else not bool(t.all())
+        pad = (t.to(torch.bool) if key == "padding_mask" else t == 0) if any_pad else None
+        out[key] = merge_intervals([pad_mask_intervals(pad)]) if pad is not None \
+            else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return out
 
 
-def _refuse_contradictions(batch: Mapping[str, Any], found: Mapping[str, torch.Tensor],
-                           says_real: dict[str, torch.Tensor], bsz: int, seq: int) -> None:
+def _refuse_contradictions(batch: Mapping[str, Any], found: Mapping[str, SourceRuns],
+                           caller: Mapping[str, Intervals], bsz: int, seq: int) -> None:
     """A token a source marks as pad must not carry a label or be marked real elsewhere."""
     labels = batch.get("labels")
     # Unsigned labels cannot hold -100: the batch normaliser refuses them with its own error.
-    if isinstance(labels, torch.Tensor) and tuple(labels.shape) == (bsz, seq) \
-            and labels.dtype.is_signed:
-        says_real = {**says_real, "labels": labels.to(next(iter(found.values())).device) != -100}
-    for name, ids in found.items():
+    use_labels = isinstance(labels, torch.Tensor) and tuple(labels.shape) == (bsz, seq) \
+        and labels.dtype.is_signed
+    for name, src in found.items():
         if name not in _PAD_SOURCES:
             continue
-        for other, real in says_real.items():
+        pad = src.pad_intervals()
+        if pad[0].size == 0:
+            continue
+        for other in [*caller, *(["labels"] if use_labels else [])]:
             if _key(other) == _key(name):
                 continue
-            bad = (ids == 0) & real
-            if bool(bad.any()):
-                row, col = _first(bad)
-                what = ("is not -100" if other == "labels"
-                        else "marks it real")
+            if other == "labels":
+                at = interval_positions(pad)
+                flat = labels.detach().reshape(-1)
+                hit = flat[torch.from_numpy(at).to(flat.device)] != -100
+                bad = int(at[int(hit.long().argmax())]) if bool(hit.any()) else None
+            else:
+                bad = first_uncovered(pad, caller[other])
+            if bad is not None:
+                what = "is not -100" if other == "labels" else "marks it real"
                 raise CPBatchError(
-                    f"batch[{_key(name)!r}] marks token (row {row}, position {col}) as pad but "
-                    f"batch[{other!r}] {what} there; document ids are 1-based (0 only for pad), "
-                    "and pad tokens carry label -100"
+                    f"batch[{_key(name)!r}] marks token (row {bad // seq}, position {bad % seq}) "
+                    f"as pad but batch[{other!r}] {what} there; document ids are 1-based (0 only "
+                    "for pad), and pad tokens carry label -100"
                 )
 
 
-def _refuse_disagreement(found: Mapping[str, torch.Tensor], real: torch.Tensor) -> None:
-    """Every source must give the same documents on the real tokens and the same pad."""
+def _refuse_disagreement(found: Mapping[str, SourceRuns], pad: Intervals, seq: int) -> None:
+    """Every source must give the same documents on the real tokens (compared as the
+    positions where documents start) and the pad sources the same pad."""
     names = list(found)
     first = names[0]
-    ref = canonical_ids(found[first], real)
+    ref = document_starts(found[first], pad)
     pad_ref = next((n for n in names if n in _PAD_SOURCES), None)
+    ref_pad = found[pad_ref].pad_intervals() if pad_ref is not None else None
     for name in names[1:]:
-        diff = canonical_ids(found[name], real) != ref
-        if pad_ref is not None and name in _PAD_SOURCES and name != pad_ref:
-            diff |= (found[name] == 0) != (found[pad_ref] == 0)
-        if bool(diff.any()):
-            row, col = _first(diff)
+        starts = document_starts(found[name], pad)
+        at = [] if np.array_equal(starts, ref) else [int(np.setxor1d(starts, ref)[0])]
+        if ref_pad is not None and name in _PAD_SOURCES and name != pad_ref:
+            d = first_difference(found[name].pad_intervals(), ref_pad)
+            at += [] if d is None else [d]
+        if at:
+            row, col = divmod(min(at), seq)
             raise CPBatchError(
                 f"conflicting document boundaries: batch[{_key(first)!r}] and "
                 f"batch[{_key(name)!r}] describe different documents (first at row {row}, "
@@ -249,99 +300,44 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
     """The :class:`Documents` of an unsharded batch (see the module docstring for the rules).
 
     ``sentinel`` pads the per-row ``seq_lens`` / ``cu_seqlens`` lists (None: any negative
-    value). Raises :class:`CPBatchError` for bad, contradictory or disagreeing sources.
+    value). Raises :class:`CPBatchError` for bad, contradictory or disagreeing sources. Each
+    source is read once, as runs; sources are compared on their runs.
     """
     if not isinstance(batch, Mapping):
         raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
     _, primary = resolve_primary(batch)
     bsz, seq = int(primary.shape[0]), int(primary.shape[1])
     device = primary.device if device is None else device
-    found = _read_sources(batch, bsz, seq, device, sentinel)
+    found = _read_sources(batch, bsz, seq, sentinel)
     if not found:
         # Nothing to refuse: documents from restarting positions (or one per row) and the
-        # caller's pad, built when first read (a static layout's shard stays this cheap).
-        docs = Documents(lambda: _implicit_ids(batch, bsz, seq, device), (),
-                         segments=lambda: _implicit_segments(batch, bsz, seq, device))
-        docs._sources = lambda: _implicit_sources(batch, bsz, seq, docs.segments)
+        # caller's pad, read when first needed (a static layout's shard stays this cheap).
+        state: dict[str, Any] = {}
+
+        def implicit() -> DocRuns:
+            src = _position_source(batch, bsz, seq)
+            state["sources"] = () if src is None else ("position_ids",)
+            src = single_document_runs(bsz, seq) if src is None else src
+            pad = merge_intervals(list(_caller_pad(batch, bsz, seq).values()))
+            return DocRuns(document_starts(src, pad), pad, bsz, seq)
+
+        docs = Documents(implicit, (), device=device)
+        docs._sources = lambda: (docs.runs(), state["sources"])[1]
         return docs
-    by_position = _position_source(batch, bsz, seq, device)
+    by_position = _position_source(batch, bsz, seq)
     if by_position is not None:
         found["position_ids"] = by_position
-    pad, says_real = _caller_pad(batch, bsz, seq, device)
-    _refuse_contradictions(batch, found, says_real, bsz, seq)
-    source_pad = False
-    for name, ids in found.items():
-        if name in _PAD_SOURCES:
-            source_pad = True
-            pad = pad | (ids == 0)
+    caller = _caller_pad(batch, bsz, seq)
+    _refuse_contradictions(batch, found, caller, bsz, seq)
+    source_pad = any(name in _PAD_SOURCES for name in found)
+    pad = merge_intervals([*caller.values(),
+                           *(src.pad_intervals() for n, src in found.items()
+                             if n in _PAD_SOURCES)])
     if len(found) > 1:
-        _refuse_disagreement(found, ~pad)
+        _refuse_disagreement(found, pad, seq)
     first = next(iter(found.values()))
-    # Every source's ids are already 1, 2, ... per row; only pad can leave gaps to relabel.
-    ids = canonical_ids(first, ~pad) if bool(pad.any()) else first
-    return Documents(ids, tuple(found), source_pad)
-
-
-def _implicit_ids(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
-                  ) -> torch.Tensor:
-    ids = _position_source(batch, bsz, seq, device)
-    if ids is None:
-        ids = torch.ones(bsz, seq, dtype=torch.long, device=device)
-    pad, _ = _caller_pad(batch, bsz, seq, device)
-    return canonical_ids(ids, ~pad) if bool(pad.any()) else ids
-
-
-def _any_caller_pad(batch: Mapping[str, Any], bsz: int, seq: int) -> bool:
-    """Whether ``padding_mask`` or a 2-D ``attention_mask`` marks some token as pad (one
-    reduction per key; no ``[B, S]`` mask is built). A key of the wrong shape counts as pad,
-    so the ids path, which names the key, refuses it."""
-    for key in ("padding_mask", "attention_mask"):
-        t = batch.get(key)
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            continue
-        if tuple(t.shape) != (bsz, seq):
-            return True
-        if bool(t.any()) if key == "padding_mask" else not bool(t.all()):
-            return True
-    return False
-
-
-def _implicit_segments(batch: Mapping[str, Any], bsz: int, seq: int, device: torch.device
-                       ) -> tuple[Any, ...] | None:
-    """The implicit documents as runs, read from the restarts of ``position_ids`` alone (one
-    comparison over the positions; no id tensor), or None when the caller marked pad."""
-    import numpy as np
-
-    if _any_caller_pad(batch, bsz, seq):
-        return None
-    pos = position_rows(batch.get("position_ids"), bsz, seq)
-    row_starts = np.arange(bsz, dtype=np.int64) * seq
-    if pos is not None and seq > 1:
-        # On the host, numpy's compare-and-find is several times cheaper than torch's
-        # nonzero; a device tensor is compared where it lives and only the hits move.
-        if pos.device.type == "cpu":
-            hits = np.flatnonzero(pos[:, 1:].numpy() == 0)
-        else:
-            hits = torch.flatten(pos[:, 1:] == 0).nonzero().flatten().cpu().numpy()
-        r, c = np.divmod(hits, seq - 1)
-        flat = np.concatenate((row_starts, r * seq + c + 1))
-        flat.sort()
-    else:
-        flat = row_starts
-    rows = flat // seq
-    # A document ends where the next one starts, or at the end of its row.
-    ends = np.minimum(np.concatenate((flat[1:], [bsz * seq])), (rows + 1) * seq)
-    return flat - rows * seq, ends - rows * seq, rows, bsz
-
-
-def _implicit_sources(batch: Mapping[str, Any], bsz: int, seq: int,
-                      segments: Callable[[], tuple[Any, ...] | None]) -> tuple[str, ...]:
-    runs = segments()
-    if runs is not None:
-        # The runs were read from the same positions: a restart is a document more than rows.
-        return ("position_ids",) if runs[0].size > bsz else ()
-    pos = position_rows(batch.get("position_ids"), bsz, seq)
-    return ("position_ids",) if position_ids_restart(pos) else ()
+    runs = DocRuns(document_starts(first, pad), pad, bsz, seq)
+    return Documents(runs, tuple(found), source_pad, device)
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -361,16 +357,17 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def without_document_keys(batch: Mapping[str, Any], docs: Documents) -> dict[str, Any]:
-    """A shallow copy of ``batch`` for the batch normaliser: the boundary lists and a 4-D
-    ``attention_mask`` removed (their content is in ``docs``), ``padding_mask`` set to the
-    resolved pad when there is any (or the caller gave one)."""
+    """A shallow copy of ``batch`` for the batch normaliser: the boundary lists, Hugging
+    Face's collator keys and a 4-D ``attention_mask`` removed (their content is in ``docs``;
+    they describe the whole row in global coordinates, so no model may read them on a rank),
+    ``padding_mask`` set to the resolved pad when there is any (or the caller gave one)."""
     out = {k: v for k, v in batch.items() if k not in BOUNDARY_LIST_KEYS}
     mask = out.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         del out["attention_mask"]
     # Without a pad-marking source the caller's own masks say all there is about pad: the
     # normaliser reads them (and the ids stay unbuilt).
-    if docs.source_pad and (out.get("padding_mask") is not None or bool(docs.pad.any())):
+    if docs.source_pad and (out.get("padding_mask") is not None or docs.has_pad):
         out["padding_mask"] = docs.pad
         out.pop("attention_mask", None)
     return out
