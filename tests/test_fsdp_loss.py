@@ -32,7 +32,7 @@ def _batch() -> dict[str, torch.Tensor]:
     from cp_core.labels import with_shifted_labels
 
     rows = packed_rows(2 * DP, 64, seed=3)
-    return with_shifted_labels(make_packed_batch(rows, vocab=256, seed=3))
+    return with_shifted_labels(make_packed_batch(rows, vocab=256, seed=3, shifted=False))
 
 
 def _fsdp_step(rank: int, world: int, grad_reduction: str,

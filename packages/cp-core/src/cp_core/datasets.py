@@ -121,13 +121,14 @@ def packed_rows(num_rows: int, row_len: int, seed: int, cap_fraction: float = 0.
 
 
 def make_packed_batch(doc_lens_per_row: Sequence[Sequence[int]], vocab: int, seed: int,
-                      pad_to: int | None = None) -> dict[str, Any]:
+                      pad_to: int | None = None, *, shifted: bool = True) -> dict[str, Any]:
     """A packed ``[B, S]`` batch from document lengths per row.
 
     ``S`` is the longest row (or ``pad_to``); shorter rows are padded at the end. Keys:
     ``input_ids`` (random tokens in ``[1, vocab)``, pad 0), ``labels`` (next token within
     each document via :func:`cp_core.labels.shift_labels`: -100 at each document's last token
-    and on pad), ``position_ids`` (restart at 0 for every document, continuing through the
+    and on pad; with ``shifted=False`` the tokens themselves, -100 on pad, as a dataset gives
+    them for :func:`cp_core.labels.with_shifted_labels` to shift), ``position_ids`` (restart at 0 for every document, continuing through the
     trailing pad), ``_packed_seq_ids`` (1-based document id, 0 on pad) and ``padding_mask``
     (True on pad).
     """
@@ -159,7 +160,8 @@ def make_packed_batch(doc_lens_per_row: Sequence[Sequence[int]], vocab: int, see
             pos[b, start:] = torch.arange(last + 1, last + 1 + seq - start)
     pad = doc_ids == 0
     input_ids = input_ids.masked_fill(pad, 0)
-    labels = shift_labels(input_ids, doc_ids=doc_ids)
+    labels = shift_labels(input_ids, doc_ids=doc_ids) if shifted \
+        else input_ids.masked_fill(pad, -100)
     return {"input_ids": input_ids, "labels": labels, "position_ids": pos,
             "_packed_seq_ids": doc_ids, "padding_mask": pad}
 

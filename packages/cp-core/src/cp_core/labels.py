@@ -7,8 +7,22 @@ boundary silently trains on a wrong target. Shifting first, with document bounda
 (the last ``k`` tokens of every document have no target at offset ``k`` and get
 ``ignore_index``), gives labels that every layout can shard like any other token tensor::
 
-    batch["labels"] = shift_labels(batch["input_ids"], doc_ids=batch["_packed_seq_ids"])
+    batch = with_shifted_labels(batch)         # the caller's labels, shifted per document
     ctx, local = sharder.shard(batch)          # labels travel with their tokens
+
+:func:`with_shifted_labels` shifts the caller's ``labels`` (Hugging Face's convention:
+``labels`` aligned with ``input_ids``, -100 where no loss is taken, e.g. an SFT prompt) and
+finds documents with the one resolver (:func:`cp_core.batch.documents.resolve_documents`), so
+every document source a sharder reads is honoured. For a Hugging Face model, which shifts
+``labels`` itself, ``key="shift_labels"`` keeps ``labels`` and adds ``shift_labels``: the
+sharder shards it like ``labels`` and the model's ``ForCausalLMLoss`` takes it as given
+instead of shifting the local (non-adjacent) tokens a second time::
+
+    batch = with_shifted_labels(batch, key="shift_labels")
+    ctx, local = sharder.shard(batch)
+    with ctx():
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                    labels=local["labels"], shift_labels=local["shift_labels"])
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from cp_core.batch.documents import resolve_documents
 from cp_core.batch.sources import ids_from_position_ids
 from cp_core.errors import CPBatchError
 
@@ -100,40 +115,73 @@ def shift_labels(
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise CPBatchError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     single = isinstance(offsets, int)
-    offs = [offsets] if single else list(offsets)  # type: ignore[list-item]
-    if not offs or any(not isinstance(k, int) or k < 1 for k in offs):
-        raise CPBatchError(f"offsets must be positive ints (1 = next token), got {offsets!r}")
+    offs = _offsets(offsets)
     ids = document_ids_for_labels(input_ids, doc_ids=doc_ids, position_ids=position_ids,
                                   padding_mask=padding_mask)
-    seq = input_ids.shape[1]
+    out = _shift_within_documents(input_ids, ids, offs, ignore_index)
+    return out[0] if single else torch.stack(out)
+
+
+def _offsets(offsets: int | Sequence[int]) -> list[int]:
+    offs = [offsets] if isinstance(offsets, int) else list(offsets)
+    if not offs or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in offs):
+        raise CPBatchError(f"offsets must be positive ints (1 = next token), got {offsets!r}")
+    return offs
+
+
+def _shift_within_documents(values: torch.Tensor, ids: torch.Tensor, offsets: Sequence[int],
+                            ignore_index: int) -> list[torch.Tensor]:
+    """``values[t + k]`` at every ``t`` whose token ``t + k`` is in the same document (ids
+    ``[B, S]``, 0 == pad), else ``ignore_index``; one tensor per offset ``k``."""
+    seq = values.shape[1]
     out = []
-    for k in offs:
-        labels = torch.full_like(input_ids, ignore_index)
+    for k in offsets:
+        labels = torch.full_like(values, ignore_index)
         if k < seq:
             same_doc = (ids[:, :-k] == ids[:, k:]) & (ids[:, :-k] > 0)
-            labels[:, :-k] = torch.where(same_doc, input_ids[:, k:],
-                                         torch.full_like(input_ids[:, k:], ignore_index))
+            labels[:, :-k] = torch.where(same_doc, values[:, k:],
+                                         torch.full_like(values[:, k:], ignore_index))
         out.append(labels)
-    return out[0] if single else torch.stack(out)
+    return out
 
 
 def with_shifted_labels(batch: Mapping[str, Any], *, offsets: int | Sequence[int] = 1,
                         ignore_index: int = -100, key: str = "labels") -> dict[str, Any]:
-    """A copy of an unsharded batch with ``batch[key]`` built by :func:`shift_labels`.
+    """A copy of an unsharded batch with its labels shifted per document under ``batch[key]``.
 
-    Documents come from ``_packed_seq_ids``, else ``position_ids`` resets; pad from
-    ``padding_mask`` or a 2-D ``attention_mask`` (0 == pad). The caller's batch is not changed.
+    The targets are the caller's ``labels`` when the batch has them (aligned with the tokens,
+    Hugging Face's convention; -100 on tokens without loss, e.g. an SFT prompt, which stays
+    -100), else ``input_ids``: the label of token ``t`` at offset ``k`` is the target of
+    token ``t + k`` when that token is in the same document, else ``ignore_index`` (the last
+    ``k`` tokens of every document, and pad). Documents and pad come from the one resolver
+    (:func:`cp_core.batch.documents.resolve_documents`: ``_packed_seq_ids``, boundary lists,
+    ids in ``attention_mask``, Hugging Face's collator keys, restarting ``position_ids``, pad
+    masks), exactly as a sharder reads them. An int ``offsets`` gives ``[B, S]``, a sequence
+    (multi-token prediction) ``[len(offsets), B, S]``.
+
+    ``key="shift_labels"`` leaves ``labels`` as given and adds ``shift_labels``, which
+    Hugging Face's causal-LM loss takes instead of shifting ``labels`` itself (so a model given
+    the local shard's labels does not shift non-adjacent tokens). Shift once, on the full
+    batch: the caller's labels must not be shifted already. The caller's batch is not changed.
     """
-    if "input_ids" not in batch:
-        raise CPBatchError(f"with_shifted_labels needs 'input_ids'; the batch has {sorted(batch)}")
-    pad = batch.get("padding_mask")
-    mask = batch.get("attention_mask")
-    if pad is None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        pad = mask == 0
+    if not isinstance(batch, Mapping):
+        raise CPBatchError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    offs = _offsets(offsets)
+    source = "labels" if batch.get("labels") is not None else "input_ids"
+    values = batch.get(source)
+    if not isinstance(values, torch.Tensor):
+        raise CPBatchError(f"with_shifted_labels needs 'labels' or 'input_ids'; the batch has "
+                           f"{sorted(batch)}")
+    docs = resolve_documents(batch)
+    ids = docs.ids
+    if values.dim() != 2 or tuple(values.shape) != tuple(ids.shape):
+        raise CPBatchError(f"batch[{source!r}] has shape {tuple(values.shape)}, expected [B, S] "
+                           f"= {list(ids.shape)} to match the batch's tokens")
+    if values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise CPBatchError(f"batch[{source!r}] must be an integer tensor, got {values.dtype}")
     out = dict(batch)
-    out[key] = shift_labels(batch["input_ids"], doc_ids=batch.get("_packed_seq_ids"),
-                            position_ids=batch.get("position_ids"), padding_mask=pad,
-                            offsets=offsets, ignore_index=ignore_index)
+    shifted = _shift_within_documents(values, ids.to(values.device), offs, ignore_index)
+    out[key] = shifted[0] if isinstance(offsets, int) else torch.stack(shifted)
     return out
 
 

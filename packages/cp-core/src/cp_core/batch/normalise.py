@@ -20,6 +20,7 @@ PRIMARY_KEYS = ("input_ids", "inputs_embeds")
 #: (the pad token of the layout; positions continue through the pad).
 PAD_FILL: dict[str, Any] = {
     "labels": -100,
+    "shift_labels": -100,
     "padding_mask": True,
     "attention_mask": False,
     "loss_mask": 0,
@@ -32,6 +33,7 @@ KNOWN_SEQ_KEYS: dict[str, int] = {
     "input_ids": 1,
     "inputs_embeds": 1,
     "labels": 1,
+    "shift_labels": 1,
     "position_ids": 1,
     "padding_mask": 1,
     "loss_mask": 1,
@@ -182,7 +184,8 @@ def normalize_batch(
                                               primary.device)
         out["position_ids"] = pos
         seq_dims["position_ids"] = pos_dim
-    for k in ("labels", "padding_mask", "loss_mask", "_packed_seq_ids"):
+    # ``shift_labels``: labels already shifted for Hugging Face's loss (see cp_core.labels).
+    for k in ("labels", "shift_labels", "padding_mask", "loss_mask", "_packed_seq_ids"):
         if out.get(k) is None:
             out.pop(k, None)
             continue
@@ -193,13 +196,14 @@ def normalize_batch(
                 f"batch[{k!r}] has shape {found}, expected [B, S] = [{bsz}, {seq_len}] to match "
                 f"batch[{key!r}] of shape {tuple(primary.shape)}"
             )
-        if k == "labels" and (t.dtype.is_floating_point or t.dtype == torch.bool):
-            raise CPBatchError(f"batch['labels'] must be an integer tensor, got {t.dtype}")
-        if k == "labels" and not t.dtype.is_complex and torch.iinfo(t.dtype).min > -100:
+        is_labels = k in ("labels", "shift_labels")
+        if is_labels and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise CPBatchError(f"batch[{k!r}] must be an integer tensor, got {t.dtype}")
+        if is_labels and not t.dtype.is_complex and torch.iinfo(t.dtype).min > -100:
             # Pad slots get -100; an unsigned dtype would wrap it (uint8: 156) into a label
             # that counts in the loss.
             raise CPBatchError(
-                f"batch['labels'] has dtype {t.dtype}, which cannot hold the ignore index -100 "
+                f"batch[{k!r}] has dtype {t.dtype}, which cannot hold the ignore index -100 "
                 "that pad slots get; pass signed labels (torch.int64, or int32/int16)"
             )
         if k == "padding_mask" and t.dtype != torch.bool:
