@@ -20,11 +20,11 @@ PRIMARY_KEYS = ("input_ids", "inputs_embeds")
 #: (the pad token of the layout; positions continue through the pad).
 PAD_FILL: dict[str, Any] = {
     "labels": -100,
-    "shift_labels": -100,
     "padding_mask": True,
     "attention_mask": False,
     "loss_mask": 0,
     "_packed_seq_ids": 0,
+    "shift_labels": -100,
 }
 
 #: Token-aligned keys the library knows, with their sequence dim (position_ids: 1, or 2 for
