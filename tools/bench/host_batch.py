@@ -5,7 +5,8 @@ batch from the same JSON spec (document lengths per row, vocabulary, seed) with 
 function: the tensors are identical in every process. Keys: ``input_ids`` and ``labels``
 ``[B, S]`` int64 (next token within each document, -100 at each document's last token),
 ``position_ids`` ``[B, S]`` restarting at 0 for every document, ``loss_mask`` ``[B, S]``
-float32 (1 where a label exists).
+float32 (1 where a label exists). :func:`batch_forms` writes the same documents in every form
+a packing collator gives them (the host benchmark times each).
 """
 
 from __future__ import annotations
@@ -47,9 +48,60 @@ def build_from_spec(spec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return build_host_batch(spec["doc_lens"], int(spec["vocab"]), int(spec["seed"]))
 
 
-def clone_batch(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def clone_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     """A deep copy, for code that mutates the tensors it is given (the peers do)."""
-    return {k: v.clone() for k, v in batch.items()}
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-__all__ = ["build_host_batch", "build_from_spec", "clone_batch"]
+#: The batch forms of :func:`batch_forms`, in table order.
+FORMS = ("position_ids", "_packed_seq_ids", "_packed_seq_ids+position_ids", "cu_seqlens",
+         "hf_flattening", "attention_mask+position_ids")
+
+
+def batch_forms(batch: Mapping[str, torch.Tensor], names: Sequence[str] = FORMS
+                ) -> dict[str, dict[str, Any]]:
+    """The documents of a :func:`build_host_batch` batch (rows exactly filled, positions
+    restarting per document) written as each packing collator gives them:
+
+    * ``position_ids``: restarting positions alone (the batch as built);
+    * ``_packed_seq_ids``: 1-based ids per row instead of positions;
+    * ``_packed_seq_ids+position_ids``: both (NeMo AutoModel's collator);
+    * ``cu_seqlens``: per-row ``[B, D+1]`` boundaries (padded with -1000), no positions;
+    * ``hf_flattening``: positions plus ``cu_seq_lens_q/k`` (flat, int32), ``max_length_q/k``
+      and ``seq_idx`` (Hugging Face's ``DataCollatorWithFlattening`` with
+      ``return_flash_attn_kwargs=True, return_seq_idx=True``);
+    * ``attention_mask+position_ids``: positions plus an all-ones 2-D ``attention_mask``.
+    """
+    pos = batch["position_ids"]
+    bsz, seq = pos.shape
+    starts = pos == 0
+    ids = starts.long().cumsum(1)
+    flat_starts = torch.flatten(starts).nonzero().flatten()
+    bounds = torch.cat([flat_starts, torch.tensor([bsz * seq])])
+    lengths = bounds[1:] - bounds[:-1]
+    rows = flat_starts // seq
+    per_row = []
+    for b in range(bsz):
+        mine = bounds[:-1][rows == b] - b * seq
+        per_row.append(torch.cat([mine, torch.tensor([seq])]).tolist())
+    width = max(len(r) for r in per_row)
+    cu_rows = torch.tensor([r + [-1000] * (width - len(r)) for r in per_row])
+    no_pos = {k: v for k, v in batch.items() if k != "position_ids"}
+    longest = int(lengths.max())
+    made: dict[str, dict[str, Any]] = {
+        "position_ids": dict(batch),
+        "_packed_seq_ids": {**no_pos, "_packed_seq_ids": ids},
+        "_packed_seq_ids+position_ids": {**batch, "_packed_seq_ids": ids},
+        "cu_seqlens": {**no_pos, "cu_seqlens": cu_rows},
+        "hf_flattening": {**batch, "cu_seq_lens_q": bounds.to(torch.int32),
+                          "cu_seq_lens_k": bounds.to(torch.int32), "max_length_q": longest,
+                          "max_length_k": longest,
+                          "seq_idx": (torch.flatten(starts).long().cumsum(0) - 1)
+                          .view(bsz, seq).to(torch.int32)},
+        "attention_mask+position_ids": {**batch,
+                                        "attention_mask": torch.ones(bsz, seq, dtype=torch.long)},
+    }
+    return {n: made[n] for n in names}
+
+
+__all__ = ["build_host_batch", "build_from_spec", "clone_batch", "FORMS", "batch_forms"]

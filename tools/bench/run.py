@@ -1,6 +1,7 @@
 """One entry point for the benchmarks: prints a table and writes JSON per benchmark.
 
     python tools/bench/run.py {balance,host,gather,transport,step,all} [--quick] [--out DIR] [--peers]
+        [--forms all|position_ids]
 
 ``--quick`` runs tiny sizes in seconds (what the smoke test uses); ``--peers`` creates the
 peers' virtual environments under ``DIR/peer_venvs/`` (Megatron-Core, NeMo AutoModel; never in
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"folder of the JSON results (default {DEFAULT_OUT}/)")
     parser.add_argument("--peers", action="store_true",
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
+    parser.add_argument("--forms", choices=["all", "position_ids"], default="all",
+                        help="host: every batch form on the one-row shapes, or restarting "
+                             "position_ids alone")
     parser.add_argument("--transport-budget-mb", type=float, default=8.0,
                         help="step: attention score-block budget (cp.attn_block_budget_mb)")
     parser.add_argument("--transport-regather-kv", action="store_true",
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         kwargs: dict[str, Any] = {"quick": args.quick}
         if name == "host":
-            kwargs.update(peers=args.peers, out_dir=args.out)
+            kwargs.update(peers=args.peers, out_dir=args.out, forms=args.forms)
         if name == "step":
             kwargs.update(budget_mb=args.transport_budget_mb,
                           regather_kv=args.transport_regather_kv)

@@ -15,8 +15,9 @@ their segments from the resolved ids (``cp_te.stream.segments_from_document_ids`
 
 ``trailing_pad=True`` (what the resolver uses) lets a row's documents end before ``S``: the
 rest of the row is pad and joins the span of the row's last document. ``sentinel=None`` makes
-any negative value a sentinel. Everything is vectorized over rows and documents; only error
-messages look at single rows.
+any negative value a sentinel. Everything is vectorized over rows and documents, on the host
+with numpy (the lists are O(documents), where torch's per-call cost would dominate); only
+error messages look at single rows. The segments come back as host tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from cp_core.errors import CPBatchError
@@ -73,29 +75,30 @@ class Segments:
 
 
 def _preview(values: Any, n: int = 12) -> str:
-    vals = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    vals = values.tolist() if hasattr(values, "tolist") else list(values)
     return str(vals[:n])[:-1] + (", ...]" if len(vals) > n else "]")
 
 
-def _first_bad_row(bad_rows: torch.Tensor) -> int:
-    return int(bad_rows.nonzero()[0, 0])
+def _first_bad_row(bad_rows: np.ndarray) -> int:
+    return int(np.flatnonzero(bad_rows)[0])
 
 
 def _sentinel_name(sentinel: int | None) -> str:
     return "(any negative value)" if sentinel is None else str(sentinel)
 
 
-def _is_sentinel(t: torch.Tensor, sentinel: int | None) -> torch.Tensor:
+def _is_sentinel(t: np.ndarray, sentinel: int | None) -> np.ndarray:
     return t < 0 if sentinel is None else t == sentinel
 
 
-def _to_int_tensor(value: Any, key: str, device: torch.device, sentinel: int | None
-                   ) -> torch.Tensor:
-    """Int64 tensor from a tensor, a list of ints or a ragged list of lists (sentinel padded)."""
+def _to_int_array(value: Any, key: str, sentinel: int | None) -> np.ndarray:
+    """Int64 host array from a tensor, a list of ints or a ragged list of lists (sentinel
+    padded). The lists are O(documents), so they are checked on the host with numpy, whose
+    per-call cost is a fraction of torch's on arrays this small."""
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise CPBatchError(f"batch[{key!r}] must hold integers, got dtype {value.dtype}")
-        return value.to(device=device, dtype=torch.long)
+        return value.detach().cpu().numpy().astype(np.int64, copy=False)
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         if len(value) and all(isinstance(r, (Sequence, torch.Tensor)) and not isinstance(r, str)
                               for r in value):
@@ -107,19 +110,23 @@ def _to_int_tensor(value: Any, key: str, device: torch.device, sentinel: int | N
         else:
             data = list(value)
         try:
-            return torch.tensor(data, dtype=torch.long, device=device)
+            arr = np.asarray(data)
         except (TypeError, ValueError) as exc:
             raise CPBatchError(f"batch[{key!r}] must be a list of ints per row: {exc}") from exc
+        if arr.dtype == object or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            raise CPBatchError(f"batch[{key!r}] must be a list of ints per row, got "
+                               f"{_preview(arr.reshape(-1))}")
+        return arr.astype(np.int64)
     raise CPBatchError(
         f"batch[{key!r}] must be a tensor or a list of ints (per row), got {type(value).__name__}"
     )
 
 
-def _per_row(t: torch.Tensor, key: str, batch_size: int) -> torch.Tensor:
+def _per_row(t: np.ndarray, key: str, batch_size: int) -> np.ndarray:
     """``[B, D]`` view of a per-row table (a 1-D table is accepted for one row)."""
-    if t.dim() == 1 and batch_size == 1:
-        return t.unsqueeze(0)
-    if t.dim() != 2 or t.shape[0] != batch_size:
+    if t.ndim == 1 and batch_size == 1:
+        return t[None]
+    if t.ndim != 2 or t.shape[0] != batch_size:
         raise CPBatchError(
             f"batch[{key!r}] has shape {tuple(t.shape)}, expected [B, D] = [{batch_size}, D] "
             "(one row of document lengths per packed row, padded with the sentinel)"
@@ -127,11 +134,11 @@ def _per_row(t: torch.Tensor, key: str, batch_size: int) -> torch.Tensor:
     return t
 
 
-def _valid_prefix(t: torch.Tensor, key: str, sentinel: int | None) -> torch.Tensor:
+def _valid_prefix(t: np.ndarray, key: str, sentinel: int | None) -> np.ndarray:
     """Mask of the non-sentinel entries; raises when a sentinel sits before a real value."""
     valid = ~_is_sentinel(t, sentinel)
     gap = ~valid[:, :-1] & valid[:, 1:]
-    if bool(gap.any()):
+    if gap.any():
         row = _first_bad_row(gap.any(1))
         raise CPBatchError(
             f"batch[{key!r}] row {row} is {_preview(t[row])}: the sentinel "
@@ -139,7 +146,7 @@ def _valid_prefix(t: torch.Tensor, key: str, sentinel: int | None) -> torch.Tens
             "by more sentinels (keep the sentinel only at the end)"
         )
     neg = valid & (t < 0)
-    if bool(neg.any()):
+    if neg.any():
         row = _first_bad_row(neg.any(1))
         raise CPBatchError(
             f"batch[{key!r}] row {row} is {_preview(t[row])}: lengths and boundaries must be "
@@ -148,46 +155,52 @@ def _valid_prefix(t: torch.Tensor, key: str, sentinel: int | None) -> torch.Tens
     return valid
 
 
-def _close_rows(row: torch.Tensor, length: torch.Tensor, span: torch.Tensor, batch_size: int,
-                seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _close_rows(row: np.ndarray, length: np.ndarray, span: np.ndarray, batch_size: int,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Segments whose rows may end early, completed so every row's spans add up to ``seq_len``.
 
     The rest of a row joins its last segment's span (pad after a document is part of its
     span); a row without segments becomes one pad-only segment. Input is in row-major order.
     """
-    totals = torch.zeros(batch_size, dtype=torch.long, device=span.device)
-    totals.index_add_(0, row, span)
-    count = torch.bincount(row, minlength=batch_size)
+    totals = np.bincount(row, weights=span, minlength=batch_size).astype(np.int64)
+    count = np.bincount(row, minlength=batch_size)
     has = count > 0
-    last = count.cumsum(0) - 1
-    span = span.clone()
+    last = np.cumsum(count) - 1
+    span = span.copy()
     span[last[has]] += seq_len - totals[has]
-    if bool(has.all()):
+    if has.all():
         return row, length, span
-    empty = (~has).nonzero()[:, 0]
-    row = torch.cat([row, empty])
-    length = torch.cat([length, torch.zeros_like(empty)])
-    span = torch.cat([span, torch.full_like(empty, seq_len)])
+    empty = np.flatnonzero(~has)
+    row = np.concatenate([row, empty])
+    length = np.concatenate([length, np.zeros_like(empty)])
+    span = np.concatenate([span, np.full_like(empty, seq_len)])
     # A stable sort by row keeps the documents of a row in order.
-    order = torch.sort(row, stable=True).indices
+    order = np.argsort(row, kind="stable")
     return row[order], length[order], span[order]
 
 
-def _segments_from_lengths(real: torch.Tensor, span: torch.Tensor, valid: torch.Tensor, *,
+def as_segments(row: np.ndarray, length: np.ndarray, span: np.ndarray, batch_size: int,
+                seq_len: int, source: str) -> Segments:
+    """:class:`Segments` over host arrays (shared, not copied)."""
+    return Segments(*(torch.from_numpy(np.ascontiguousarray(a, np.int64))
+                      for a in (row, length, span)), batch_size, seq_len, source)
+
+
+def _segments_from_lengths(real: np.ndarray, span: np.ndarray, valid: np.ndarray, *,
                            real_key: str, span_key: str, batch_size: int, seq_len: int,
                            source: str, trailing_pad: bool = False) -> Segments:
     """Segments from per-row ``[B, D]`` real and padded lengths with their validity mask."""
     over = valid & (real > span)
-    if bool(over.any()):
+    if over.any():
         row = _first_bad_row(over.any(1))
         raise CPBatchError(
             f"batch[{real_key!r}] row {row} is {_preview(real[row][valid[row]])} but "
             f"batch[{span_key!r}] is {_preview(span[row][valid[row]])}: a document cannot be "
             "longer than its padded length"
         )
-    totals = torch.where(valid, span, torch.zeros_like(span)).sum(1)
+    totals = np.where(valid, span, 0).sum(1)
     wrong = (totals > seq_len) if trailing_pad else (totals != seq_len)
-    if bool(wrong.any()):
+    if wrong.any():
         row = _first_bad_row(wrong)
         rule = ("end at or before the row length" if trailing_pad
                 else "end at the row length")
@@ -196,32 +209,35 @@ def _segments_from_lengths(real: torch.Tensor, span: torch.Tensor, valid: torch.
             f"batch[{span_key!r}] row {row} is {_preview(span[row][valid[row]])}, which adds up "
             f"to {int(totals[row])}; the documents of a row must {rule} S={seq_len}{hint}"
         )
-    rows, length, spans = valid.nonzero()[:, 0], real[valid], span[valid]
+    rows = np.nonzero(valid)[0]
+    length, spans = real[valid], span[valid]
     if trailing_pad:
         rows, length, spans = _close_rows(rows, length, spans, batch_size, seq_len)
-    return Segments(rows, length, spans, batch_size, seq_len, source)
+    return as_segments(rows, length, spans, batch_size, seq_len, source)
 
 
 def segments_from_seq_lens(batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                           device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
+                           device: torch.device | None = None,
+                           sentinel: int | None = DEFAULT_SENTINEL, *,
                            trailing_pad: bool = False) -> Segments:
-    """Segments from ``seq_lens`` and optional ``seq_lens_padded`` (``[B, D]``, sentinel padded)."""
+    """Segments from ``seq_lens`` and optional ``seq_lens_padded`` (``[B, D]``, sentinel
+    padded), as host tensors (``device`` is not used: the lists are read on the host)."""
     if batch.get("seq_lens") is None:
         raise CPBatchError(
             "batch has 'seq_lens_padded' without 'seq_lens'; pass the real document lengths "
             "as 'seq_lens' too"
         )
-    real = _per_row(_to_int_tensor(batch["seq_lens"], "seq_lens", device, sentinel), "seq_lens",
+    real = _per_row(_to_int_array(batch["seq_lens"], "seq_lens", sentinel), "seq_lens",
                     batch_size)
     valid = _valid_prefix(real, "seq_lens", sentinel)
     span_key = "seq_lens"
     span = real
     if batch.get("seq_lens_padded") is not None:
         span_key = "seq_lens_padded"
-        span = _per_row(_to_int_tensor(batch[span_key], span_key, device, sentinel), span_key,
+        span = _per_row(_to_int_array(batch[span_key], span_key, sentinel), span_key,
                         batch_size)
-        if span.shape != real.shape or not torch.equal(_valid_prefix(span, span_key, sentinel),
-                                                       valid):
+        if span.shape != real.shape or not np.array_equal(_valid_prefix(span, span_key,
+                                                                        sentinel), valid):
             raise CPBatchError(
                 f"batch['seq_lens'] (shape {tuple(real.shape)}) and batch['seq_lens_padded'] "
                 f"(shape {tuple(span.shape)}) must list the same documents: same shape and the "
@@ -270,4 +286,5 @@ __all__ = [
     "EXPLICIT_SOURCES",
     "segment_document_ids",
     "segments_from_seq_lens",
+    "as_segments",
 ]

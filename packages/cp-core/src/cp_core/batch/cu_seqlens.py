@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from cp_core.batch.boundaries import (
@@ -20,22 +21,23 @@ from cp_core.batch.boundaries import (
     _first_bad_row,
     _preview,
     _segments_from_lengths,
-    _to_int_tensor,
+    _to_int_array,
     _valid_prefix,
+    as_segments,
 )
 from cp_core.errors import CPBatchError
 
 
-def _check_cu_rows(cu: torch.Tensor, valid: torch.Tensor, key: str, strict: bool) -> None:
+def _check_cu_rows(cu: np.ndarray, valid: np.ndarray, key: str, strict: bool) -> None:
     """Per-row cumulative boundaries: start at 0, increase (strictly when ``strict``)."""
     starts_bad = ~valid[:, 0] | (cu[:, 0] != 0)
-    if bool(starts_bad.any()):
+    if starts_bad.any():
         row = _first_bad_row(starts_bad)
         raise CPBatchError(f"batch[{key!r}] row {row} is {_preview(cu[row])}: it must start at 0")
     pair = valid[:, 1:]
     step = cu[:, 1:] - cu[:, :-1]
     bad = pair & ((step <= 0) if strict else (step < 0))
-    if bool(bad.any()):
+    if bad.any():
         row = _first_bad_row(bad.any(1))
         word = "strictly increasing" if strict else "non-decreasing"
         raise CPBatchError(
@@ -44,28 +46,30 @@ def _check_cu_rows(cu: torch.Tensor, valid: torch.Tensor, key: str, strict: bool
         )
 
 
-def _cu_last(cu: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _cu_last(cu: np.ndarray, valid: np.ndarray) -> np.ndarray:
     last = valid.sum(1) - 1
-    return cu.gather(1, last.unsqueeze(1)).squeeze(1)
+    return np.take_along_axis(cu, last[:, None], 1)[:, 0]
 
 
 def segments_from_cu_seqlens(batch: Mapping[str, Any], batch_size: int, seq_len: int,
-                             device: torch.device, sentinel: int | None = DEFAULT_SENTINEL, *,
+                             device: torch.device | None = None,
+                             sentinel: int | None = DEFAULT_SENTINEL, *,
                              trailing_pad: bool = False) -> Segments:
-    """Segments from ``cu_seqlens`` and/or ``cu_seqlens_padded``, per row or flat."""
-    given = {k: _to_int_tensor(batch[k], k, device, sentinel)
+    """Segments from ``cu_seqlens`` and/or ``cu_seqlens_padded``, per row or flat, as host
+    tensors (``device`` is not used: the lists are read on the host)."""
+    given = {k: _to_int_array(batch[k], k, sentinel)
              for k in ("cu_seqlens", "cu_seqlens_padded") if batch.get(k) is not None}
     pos_key = "cu_seqlens_padded" if "cu_seqlens_padded" in given else "cu_seqlens"
     pos = given[pos_key]
     real = given.get("cu_seqlens") if pos_key == "cu_seqlens_padded" else None
-    if real is not None and real.dim() != pos.dim():
+    if real is not None and real.ndim != pos.ndim:
         raise CPBatchError(
             f"batch['cu_seqlens'] has shape {tuple(real.shape)} and batch['cu_seqlens_padded'] "
             f"{tuple(pos.shape)}: both must be flat [N+1] or both per row [B, D+1]"
         )
-    if pos.dim() == 1:
-        return _segments_from_flat_cu(pos, real, pos_key, batch_size, seq_len, trailing_pad)
-    if pos.dim() != 2 or pos.shape[0] != batch_size:
+    if pos.ndim == 1:
+        return segments_from_flat_cu(pos, real, pos_key, batch_size, seq_len, trailing_pad)
+    if pos.ndim != 2 or pos.shape[0] != batch_size:
         raise CPBatchError(
             f"batch[{pos_key!r}] has shape {tuple(pos.shape)}, expected flat [N+1] over the "
             f"B*S={batch_size * seq_len} stream or per row [B, D+1] = [{batch_size}, D+1]"
@@ -74,7 +78,7 @@ def segments_from_cu_seqlens(batch: Mapping[str, Any], batch_size: int, seq_len:
     _check_cu_rows(pos, valid, pos_key, strict=True)
     ends = _cu_last(pos, valid)
     wrong = (ends > seq_len) if trailing_pad else (ends != seq_len)
-    if bool(wrong.any()):
+    if wrong.any():
         row = _first_bad_row(wrong)
         rule = "end at or before the row length" if trailing_pad else "end at the row length"
         raise CPBatchError(
@@ -85,8 +89,8 @@ def segments_from_cu_seqlens(batch: Mapping[str, Any], batch_size: int, seq_len:
     span = pos[:, 1:] - pos[:, :-1]
     length = span
     if real is not None:
-        if real.shape != pos.shape or not torch.equal(_valid_prefix(real, "cu_seqlens", sentinel),
-                                                      valid):
+        if real.shape != pos.shape or not np.array_equal(
+                _valid_prefix(real, "cu_seqlens", sentinel), valid):
             raise CPBatchError(
                 f"batch['cu_seqlens'] (shape {tuple(real.shape)}) and batch['cu_seqlens_padded'] "
                 f"(shape {tuple(pos.shape)}) must list the same documents: same shape and the "
@@ -99,13 +103,15 @@ def segments_from_cu_seqlens(batch: Mapping[str, Any], batch_size: int, seq_len:
                                   trailing_pad=trailing_pad)
 
 
-def _segments_from_flat_cu(pos: torch.Tensor, real: torch.Tensor | None, pos_key: str,
-                           batch_size: int, seq_len: int, trailing_pad: bool) -> Segments:
+def segments_from_flat_cu(pos: np.ndarray, real: np.ndarray | None, pos_key: str,
+                          batch_size: int, seq_len: int, trailing_pad: bool) -> Segments:
+    """Segments of flat ``[N+1]`` boundaries over the ``B*S`` stream (``pos_key`` names the
+    key in errors; ``real``: the real lengths' boundaries when ``pos`` is the padded one)."""
     total = batch_size * seq_len
     if trailing_pad:  # [0] alone is a stream of pad only
-        bad_end = pos.numel() < 1 or int(pos[-1]) > total
+        bad_end = pos.size < 1 or int(pos[-1]) > total
     else:
-        bad_end = pos.numel() < 2 or int(pos[-1]) != total
+        bad_end = pos.size < 2 or int(pos[-1]) != total
     if bad_end or int(pos[0]) != 0:
         rule = "end at or before" if trailing_pad else "end at"
         raise CPBatchError(
@@ -113,17 +119,17 @@ def _segments_from_flat_cu(pos: torch.Tensor, real: torch.Tensor | None, pos_key
             f"the stream length B*S={batch_size}*{seq_len}={total}"
         )
     span = pos[1:] - pos[:-1]
-    if bool((span <= 0).any()):
-        i = int((span <= 0).nonzero()[0, 0])
+    if (span <= 0).any():
+        i = int(np.flatnonzero(span <= 0)[0])
         raise CPBatchError(
             f"batch[{pos_key!r}] is not strictly increasing at entry {i + 1} "
             f"({int(pos[i])} -> {int(pos[i + 1])}): {_preview(pos)}"
         )
     start, end = pos[:-1], pos[1:]
-    row = torch.div(start, seq_len, rounding_mode="floor")
-    crosses = torch.div(end - 1, seq_len, rounding_mode="floor") != row
-    if bool(crosses.any()):
-        i = int(crosses.nonzero()[0, 0])
+    row = start // seq_len
+    crosses = (end - 1) // seq_len != row
+    if crosses.any():
+        i = int(np.flatnonzero(crosses)[0])
         raise CPBatchError(
             f"batch[{pos_key!r}] has a document [{int(start[i])}, {int(end[i])}) that crosses the "
             f"end of row {int(row[i])} (rows are S={seq_len} tokens); every row start must be a "
@@ -137,18 +143,18 @@ def _segments_from_flat_cu(pos: torch.Tensor, real: torch.Tensor | None, pos_key
                 f"{_preview(pos)}: both must list the same documents, starting at 0"
             )
         length = real[1:] - real[:-1]
-        if bool((length < 0).any()):
+        if (length < 0).any():
             raise CPBatchError(f"batch['cu_seqlens'] is not non-decreasing: {_preview(real)}")
         over = length > span
-        if bool(over.any()):
-            i = int(over.nonzero()[0, 0])
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
             raise CPBatchError(
                 f"document {i} has {int(length[i])} tokens in batch['cu_seqlens'] but only "
                 f"{int(span[i])} in batch['cu_seqlens_padded']"
             )
     if trailing_pad:
         row, length, span = _close_rows(row, length, span, batch_size, seq_len)
-    return Segments(row, length, span, batch_size, seq_len, "cu_seqlens")
+    return as_segments(row, length, span, batch_size, seq_len, "cu_seqlens")
 
 
-__all__ = ["segments_from_cu_seqlens"]
+__all__ = ["segments_from_cu_seqlens", "segments_from_flat_cu"]

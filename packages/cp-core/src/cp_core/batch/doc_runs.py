@@ -60,6 +60,10 @@ def document_starts(src: SourceRuns, pad: Intervals) -> np.ndarray:
     """Where the source's documents start over the real tokens (everything outside ``pad``):
     at a row's first real token, and at every real token whose label differs from the
     previous real token's of its row. The source's own pad runs must lie inside ``pad``."""
+    if pad[0].size == 0:
+        # Nothing is pad, so no run is: a source's runs are maximal (neighbours differ), so
+        # every run starts a document.
+        return src.starts
     cuts, labels, is_pad = _pieces(src, pad)
     if bool(is_pad.any()):
         cuts, labels = cuts[~is_pad], labels[~is_pad]

@@ -55,7 +55,10 @@ from cp_core.batch.hf_keys import HF_COLLATOR_KEYS, cu_seq_lens_runs, seq_idx_ru
 from cp_core.batch.normalise import resolve_primary
 from cp_core.batch.source_runs import (
     SourceRuns,
+    all_true,
+    any_true,
     id_runs,
+    max_value,
     pad_mask_intervals,
     position_runs,
     segment_runs,
@@ -192,7 +195,7 @@ def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, sentinel: int | 
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         found["attention_mask_4d"] = value_runs(ids_from_4d_mask(mask, bsz, seq),
                                                 "attention_mask_4d")
-    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_indexed_mask(mask):
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and _indexed(mask):
         if tuple(mask.shape) != (bsz, seq):
             raise CPBatchError(f"batch['attention_mask'] has shape {tuple(mask.shape)}, "
                                f"expected [B, S] = [{bsz}, {seq}]")
@@ -209,6 +212,14 @@ def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, sentinel: int | 
     if by_index is not None:
         found["seq_idx"] = by_index
     return found
+
+
+def _indexed(mask: torch.Tensor) -> bool:
+    """:func:`is_indexed_mask` with the maximum read through numpy on the host."""
+    if mask.device.type != "cpu" or mask.dtype.is_floating_point or mask.dtype.is_complex \
+            or mask.dtype == torch.bool or mask.numel() == 0:
+        return is_indexed_mask(mask)
+    return max_value(mask) > 1
 
 
 def _position_source(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns | None:
@@ -233,7 +244,7 @@ def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int) -> dict[str, Inter
             raise CPBatchError(
                 f"batch[{key!r}] has shape {tuple(t.shape)}, expected [B, S] = [{bsz}, {seq}]"
             )
-        any_pad = bool(t.any()) if key == "padding_mask" else not bool(t.all())
+        any_pad = any_true(t) if key == "padding_mask" else not all_true(t)
         pad = (t.to(torch.bool) if key == "padding_mask" else t == 0) if any_pad else None
         out[key] = merge_intervals([pad_mask_intervals(pad)]) if pad is not None \
             else (np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -272,9 +283,11 @@ def _refuse_contradictions(batch: Mapping[str, Any], found: Mapping[str, SourceR
                 )
 
 
-def _refuse_disagreement(found: Mapping[str, SourceRuns], pad: Intervals, seq: int) -> None:
+def _refuse_disagreement(found: Mapping[str, SourceRuns], pad: Intervals, seq: int
+                         ) -> np.ndarray:
     """Every source must give the same documents on the real tokens (compared as the
-    positions where documents start) and the pad sources the same pad."""
+    positions where documents start) and the pad sources the same pad. Returns the starts
+    of the first source's documents."""
     names = list(found)
     first = names[0]
     ref = document_starts(found[first], pad)
@@ -293,6 +306,7 @@ def _refuse_disagreement(found: Mapping[str, SourceRuns], pad: Intervals, seq: i
                 f"batch[{_key(name)!r}] describe different documents (first at row {row}, "
                 f"token {col}); pass one source, or sources that agree"
             )
+    return ref
 
 
 def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAULT_SENTINEL,
@@ -333,10 +347,10 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
     pad = merge_intervals([*caller.values(),
                            *(src.pad_intervals() for n, src in found.items()
                              if n in _PAD_SOURCES)])
-    if len(found) > 1:
-        _refuse_disagreement(found, pad, seq)
     first = next(iter(found.values()))
-    runs = DocRuns(document_starts(first, pad), pad, bsz, seq)
+    starts = _refuse_disagreement(found, pad, seq) if len(found) > 1 \
+        else document_starts(first, pad)
+    runs = DocRuns(starts, pad, bsz, seq)
     return Documents(runs, tuple(found), source_pad, device)
 
 

@@ -18,8 +18,10 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_core.batch.boundaries import DEFAULT_SENTINEL, Segments, _to_int_tensor
-from cp_core.batch.cu_seqlens import _segments_from_flat_cu
+import numpy as np
+
+from cp_core.batch.boundaries import DEFAULT_SENTINEL, Segments, _to_int_array
+from cp_core.batch.cu_seqlens import segments_from_flat_cu
 from cp_core.batch.source_runs import SourceRuns, segment_runs, sequence_index_runs
 from cp_core.errors import CPBatchError
 
@@ -44,7 +46,7 @@ def _check_max_length(batch: Mapping[str, Any], key: str, segs: Segments) -> Non
     mkey = key.replace("cu_seq_lens", "max_length")
     if batch.get(mkey) is None:
         return
-    longest = int(segs.length.max()) if segs.length.numel() else 0
+    longest = int(segs.length.numpy().max()) if segs.length.numel() else 0
     given = _max_length(batch[mkey], mkey)
     if given < longest:
         raise CPBatchError(
@@ -60,10 +62,9 @@ def cu_seq_lens_runs(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns
     given = [k for k in _CU_KEYS if batch.get(k) is not None]
     if not given:
         return None
-    values = {k: _to_int_tensor(batch[k], k, torch.device("cpu"), DEFAULT_SENTINEL)
-              for k in given}
+    values = {k: _to_int_array(batch[k], k, DEFAULT_SENTINEL) for k in given}
     key = given[0]
-    if len(given) == 2 and not torch.equal(values[_CU_KEYS[0]], values[_CU_KEYS[1]]):
+    if len(given) == 2 and not np.array_equal(values[_CU_KEYS[0]], values[_CU_KEYS[1]]):
         raise CPBatchError(
             f"batch['cu_seq_lens_q'] is {values['cu_seq_lens_q'].tolist()[:12]} but "
             f"batch['cu_seq_lens_k'] is {values['cu_seq_lens_k'].tolist()[:12]}: context "
@@ -71,12 +72,12 @@ def cu_seq_lens_runs(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns
             "same sequences"
         )
     cu = values[key]
-    if cu.dim() != 1:
+    if cu.ndim != 1:
         raise CPBatchError(
             f"batch[{key!r}] has shape {tuple(cu.shape)}, expected flat [N+1] cumulative "
             f"boundaries over the B*S={bsz * seq} stream (as DataCollatorWithFlattening gives)"
         )
-    segs = _segments_from_flat_cu(cu, None, key, bsz, seq, True)
+    segs = segments_from_flat_cu(cu, None, key, bsz, seq, True)
     for k in given:
         _check_max_length(batch, k, segs)
     return segment_runs(segs, key)

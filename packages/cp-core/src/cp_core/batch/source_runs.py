@@ -62,6 +62,30 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).cpu().numpy()
 
 
+#: dtypes numpy reads without a copy (no bfloat16 or float8 in numpy).
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64}
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
+
+
+def any_true(t: torch.Tensor) -> bool:
+    """``t.any()``; on the host through numpy, several times cheaper than torch's reduction."""
+    return bool(t.detach().numpy().any()) if _on_host(t) else bool(t.any())
+
+
+def all_true(t: torch.Tensor) -> bool:
+    """``t.all()`` (nonzero everywhere), through numpy on the host."""
+    return bool(t.detach().numpy().all()) if _on_host(t) else bool(t.all())
+
+
+def max_value(t: torch.Tensor) -> int:
+    """The largest value of a non-empty integer tensor, through numpy on the host."""
+    return int(t.detach().numpy().max()) if _on_host(t) else int(t.max())
+
+
 def value_runs(t: torch.Tensor, name: str) -> SourceRuns:
     """Runs of equal values of a ``[B, S]`` tensor; the labels are the values.
 
@@ -69,7 +93,7 @@ def value_runs(t: torch.Tensor, name: str) -> SourceRuns:
     device tensor is compared where it lives and only the change points move.
     """
     bsz, seq = int(t.shape[0]), int(t.shape[1])
-    if t.device.type == "cpu":
+    if _on_host(t):
         flat = _host(t)
         change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
     else:
@@ -145,7 +169,7 @@ def position_runs(pos: torch.Tensor) -> SourceRuns | None:
     bsz, seq = int(pos.shape[0]), int(pos.shape[1])
     if seq < 2:
         return None
-    if pos.device.type == "cpu":
+    if _on_host(pos):
         hits = np.flatnonzero(pos[:, 1:].detach().numpy() == 0)
     else:
         hits = torch.flatten(pos[:, 1:] == 0).nonzero().reshape(-1).cpu().numpy()
@@ -167,9 +191,8 @@ def single_document_runs(batch_size: int, seq_len: int) -> SourceRuns:
 def segment_runs(segs: Segments, name: str) -> SourceRuns:
     """Runs of THD segments (O(documents)): each segment's real tokens are a document run
     (numbered 1, 2, ... per row), the caller pad after them a pad run."""
-    row = segs.row.cpu().numpy().astype(np.int64)
-    length = segs.length.cpu().numpy().astype(np.int64)
-    span = segs.span.cpu().numpy().astype(np.int64)
+    row, length, span = (t.cpu().numpy().astype(np.int64, copy=False)
+                         for t in (segs.row, segs.length, segs.span))
     # The segments tile every row in row-major order, so their flat starts are the running sum.
     start = np.cumsum(span) - span
     real = length > 0
@@ -207,4 +230,7 @@ __all__ = [
     "single_document_runs",
     "segment_runs",
     "pad_mask_intervals",
+    "any_true",
+    "all_true",
+    "max_value",
 ]
