@@ -374,11 +374,20 @@ def without_document_keys(batch: Mapping[str, Any], docs: Documents) -> dict[str
     """A shallow copy of ``batch`` for the batch normaliser: the boundary lists, Hugging
     Face's collator keys and a 4-D ``attention_mask`` removed (their content is in ``docs``;
     they describe the whole row in global coordinates, so no model may read them on a rank),
-    ``padding_mask`` set to the resolved pad when there is any (or the caller gave one)."""
+    ``padding_mask`` set to the resolved pad when there is any (or the caller gave one). When
+    no token is pad, the caller's 2-D masks are left out too: the sharder then writes the local
+    ``padding_mask`` for its own pad slots alone, the same values without comparing and slicing
+    a full-length mask."""
     out = {k: v for k, v in batch.items() if k not in BOUNDARY_LIST_KEYS}
     mask = out.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         del out["attention_mask"]
+    flat = [k for k in ("padding_mask", "attention_mask")
+            if isinstance(out.get(k), torch.Tensor) and out[k].dim() == 2]
+    if flat and not docs.has_pad:  # the resolver read them: they mark nothing
+        for k in flat:
+            del out[k]
+        return out
     # Without a pad-marking source the caller's own masks say all there is about pad: the
     # normaliser reads them (and the ids stay unbuilt).
     if docs.source_pad and (out.get("padding_mask") is not None or docs.has_pad):
