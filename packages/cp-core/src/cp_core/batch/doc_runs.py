@@ -23,10 +23,11 @@ NO_INTERVALS: Intervals = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 def merge_intervals(parts: Sequence[Intervals]) -> Intervals:
     """The union of interval sets as disjoint, ascending intervals (touching ones joined)."""
-    starts = np.concatenate([p[0] for p in parts]) if parts else NO_INTERVALS[0]
-    ends = np.concatenate([p[1] for p in parts]) if parts else NO_INTERVALS[1]
-    if starts.size == 0:
+    parts = [p for p in parts if p[0].size]
+    if not parts:
         return NO_INTERVALS
+    starts = np.concatenate([p[0] for p in parts])
+    ends = np.concatenate([p[1] for p in parts])
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], ends[order]
     reach = np.maximum.accumulate(ends)

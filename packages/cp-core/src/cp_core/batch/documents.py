@@ -251,17 +251,15 @@ def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int) -> dict[str, Inter
     return out
 
 
-def _refuse_contradictions(batch: Mapping[str, Any], found: Mapping[str, SourceRuns],
+def _refuse_contradictions(batch: Mapping[str, Any], pads: Mapping[str, Intervals],
                            caller: Mapping[str, Intervals], bsz: int, seq: int) -> None:
-    """A token a source marks as pad must not carry a label or be marked real elsewhere."""
+    """A token a source marks as pad (``pads``: each pad source's pad intervals) must not
+    carry a label or be marked real elsewhere."""
     labels = batch.get("labels")
     # Unsigned labels cannot hold -100: the batch normaliser refuses them with its own error.
     use_labels = isinstance(labels, torch.Tensor) and tuple(labels.shape) == (bsz, seq) \
         and labels.dtype.is_signed
-    for name, src in found.items():
-        if name not in _PAD_SOURCES:
-            continue
-        pad = src.pad_intervals()
+    for name, pad in pads.items():
         if pad[0].size == 0:
             continue
         for other in [*caller, *(["labels"] if use_labels else [])]:
@@ -283,21 +281,21 @@ def _refuse_contradictions(batch: Mapping[str, Any], found: Mapping[str, SourceR
                 )
 
 
-def _refuse_disagreement(found: Mapping[str, SourceRuns], pad: Intervals, seq: int
-                         ) -> np.ndarray:
+def _refuse_disagreement(found: Mapping[str, SourceRuns], pads: Mapping[str, Intervals],
+                         pad: Intervals, seq: int) -> np.ndarray:
     """Every source must give the same documents on the real tokens (compared as the
     positions where documents start) and the pad sources the same pad. Returns the starts
     of the first source's documents."""
     names = list(found)
     first = names[0]
     ref = document_starts(found[first], pad)
-    pad_ref = next((n for n in names if n in _PAD_SOURCES), None)
-    ref_pad = found[pad_ref].pad_intervals() if pad_ref is not None else None
+    pad_ref = next(iter(pads), None)
+    ref_pad = pads[pad_ref] if pad_ref is not None else None
     for name in names[1:]:
         starts = document_starts(found[name], pad)
         at = [] if np.array_equal(starts, ref) else [int(np.setxor1d(starts, ref)[0])]
         if ref_pad is not None and name in _PAD_SOURCES and name != pad_ref:
-            d = first_difference(found[name].pad_intervals(), ref_pad)
+            d = first_difference(pads[name], ref_pad)
             at += [] if d is None else [d]
         if at:
             row, col = divmod(min(at), seq)
@@ -342,13 +340,12 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
     if by_position is not None:
         found["position_ids"] = by_position
     caller = _caller_pad(batch, bsz, seq)
-    _refuse_contradictions(batch, found, caller, bsz, seq)
-    source_pad = any(name in _PAD_SOURCES for name in found)
-    pad = merge_intervals([*caller.values(),
-                           *(src.pad_intervals() for n, src in found.items()
-                             if n in _PAD_SOURCES)])
+    pads = {n: src.pad_intervals() for n, src in found.items() if n in _PAD_SOURCES}
+    _refuse_contradictions(batch, pads, caller, bsz, seq)
+    source_pad = bool(pads)
+    pad = merge_intervals([*caller.values(), *pads.values()])
     first = next(iter(found.values()))
-    starts = _refuse_disagreement(found, pad, seq) if len(found) > 1 \
+    starts = _refuse_disagreement(found, pads, pad, seq) if len(found) > 1 \
         else document_starts(first, pad)
     runs = DocRuns(starts, pad, bsz, seq)
     return Documents(runs, tuple(found), source_pad, device)

@@ -100,12 +100,19 @@ def value_runs(t: torch.Tensor, name: str) -> SourceRuns:
         dev = t.detach().reshape(-1)
         change = (dev[1:] != dev[:-1]).nonzero().reshape(-1).cpu().numpy() + 1
         flat = None
-    starts = np.union1d(change.astype(np.int64), row_starts(bsz, seq))
+    starts = _with_row_starts(change.astype(np.int64), bsz, seq)
     if flat is not None:
         labels = flat[starts].astype(np.int64)
     else:
         labels = _host(t.reshape(-1)[torch.from_numpy(starts).to(t.device)]).astype(np.int64)
     return SourceRuns(name, starts, labels, bsz, seq)
+
+
+def _with_row_starts(points: np.ndarray, bsz: int, seq: int) -> np.ndarray:
+    """Ascending ``points`` (within ``(0, B*S)``) with every row start added, sorted."""
+    if bsz == 1:
+        return np.concatenate((np.zeros(1, np.int64), points))
+    return np.union1d(points, row_starts(bsz, seq))
 
 
 def _row_first(starts: np.ndarray, bsz: int, seq: int) -> np.ndarray:
