@@ -7,11 +7,12 @@ built by :mod:`host_batch` from one JSON spec in every process: ``input_ids``, `
 documents are also given in every form a packing collator gives them
 (:func:`host_batch.batch_forms`: ``_packed_seq_ids``, both with positions as NeMo AutoModel's
 collator, ``cu_seqlens``, Hugging Face's flattening keys, a 2-D ``attention_mask``), all
-forms and backends timed interleaved in one loop, each form beside its own floor. Each side shards as rank 0 of 8
-(ours with a :class:`~cp_core.comm.mesh.SimulatedCPMesh`, the peers with torch's fake process
-group) and the timed region is the library's shard call plus entering and leaving the
-context it returns (where NeMo's round-robin path actually shards). Inputs are fresh copies
-every run (untimed). All sides run on one thread. Median of ``repeats`` after ``warmup``.
+forms and backends timed interleaved in one loop, each form beside its own floor. Each side
+shards as rank 0 of 8 (ours with a :class:`~cp_core.comm.mesh.SimulatedCPMesh`, the peers
+with torch's fake process group) and the timed region is the library's shard call plus
+entering and leaving the context it returns (where NeMo's round-robin path actually
+shards). Inputs are fresh copies every run (untimed). All sides run on one thread. Median of
+``repeats`` after ``warmup``.
 
 Peers (``--peers``): Megatron-Core ``get_batch_on_this_cp_rank`` and NeMo AutoModel's
 ``ContextParallelSharder`` round-robin and contiguous paths, each in its own venv. The

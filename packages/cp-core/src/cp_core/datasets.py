@@ -128,9 +128,9 @@ def make_packed_batch(doc_lens_per_row: Sequence[Sequence[int]], vocab: int, see
     ``input_ids`` (random tokens in ``[1, vocab)``, pad 0), ``labels`` (next token within
     each document via :func:`cp_core.labels.shift_labels`: -100 at each document's last token
     and on pad; with ``shifted=False`` the tokens themselves, -100 on pad, as a dataset gives
-    them for :func:`cp_core.labels.with_shifted_labels` to shift), ``position_ids`` (restart at 0 for every document, continuing through the
-    trailing pad), ``_packed_seq_ids`` (1-based document id, 0 on pad) and ``padding_mask``
-    (True on pad).
+    them for :func:`cp_core.labels.with_shifted_labels` to shift), ``position_ids`` (restart
+    at 0 for every document, continuing through the trailing pad), ``_packed_seq_ids``
+    (1-based document id, 0 on pad) and ``padding_mask`` (True on pad).
     """
     if vocab < 2:
         raise CPConfigError(f"vocab must be >= 2 (0 is the pad token), got {vocab}")

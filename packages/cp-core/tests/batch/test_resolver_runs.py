@@ -87,7 +87,8 @@ def truth(batch: dict[str, Any]) -> tuple[str, Any]:
     if "padding_mask" in batch:
         says_real["padding_mask"] = [[not v for v in r] for r in batch["padding_mask"].tolist()]
     if "attention_mask" in batch:
-        says_real["attention_mask"] = [[v != 0 for v in r] for r in batch["attention_mask"].tolist()]
+        says_real["attention_mask"] = [[v != 0 for v in r]
+                                       for r in batch["attention_mask"].tolist()]
     if found and "labels" in batch:
         says_real["labels"] = [[v != -100 for v in r] for r in batch["labels"].tolist()]
     for name, labels in found.items():
