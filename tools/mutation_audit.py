@@ -104,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("docs-ignore-pad", "mask", CORE + "batch/documents.py",
       "    pad = merge_intervals([*caller.values(),", "    pad = merge_intervals([", "core",
       "document ids ignore padding_mask / attention_mask"),
-    M("caller-pad-attention-mask-ignored", "padding", CORE + "batch/documents.py",
+    M("caller-pad-attention-mask-ignored", "padding", CORE + "batch/read_sources.py",
       "        any_pad = any_true(t) if key == \"padding_mask\" else not all_true(t)",
       "        any_pad = any_true(t) if key == \"padding_mask\" else False",
       "core", "a 2-D attention_mask no longer marks pad"),

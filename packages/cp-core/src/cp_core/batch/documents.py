@@ -36,12 +36,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from cp_core.batch.boundaries import (
-    DEFAULT_SENTINEL,
-    EXPLICIT_SOURCES,
-    segments_from_seq_lens,
-)
-from cp_core.batch.cu_seqlens import segments_from_cu_seqlens
+from cp_core.batch.boundaries import DEFAULT_SENTINEL
 from cp_core.batch.doc_runs import (
     DocRuns,
     Intervals,
@@ -51,27 +46,11 @@ from cp_core.batch.doc_runs import (
     interval_positions,
     merge_intervals,
 )
-from cp_core.batch.hf_keys import HF_COLLATOR_KEYS, cu_seq_lens_runs, seq_idx_runs
+from cp_core.batch.hf_keys import HF_COLLATOR_KEYS
 from cp_core.batch.normalise import resolve_primary
-from cp_core.batch.source_runs import (
-    SourceRuns,
-    all_true,
-    any_true,
-    id_runs,
-    max_value,
-    pad_mask_intervals,
-    position_runs,
-    segment_runs,
-    single_document_runs,
-    value_runs,
-)
-from cp_core.batch.sources import (
-    ids_from_4d_mask,
-    ids_from_position_ids,
-    is_indexed_mask,
-    position_rows,
-    validate_document_ids,
-)
+from cp_core.batch.read_sources import caller_pad, position_source, read_sources
+from cp_core.batch.source_runs import SourceRuns, single_document_runs
+from cp_core.batch.sources import ids_from_position_ids, validate_document_ids
 from cp_core.errors import CPBatchError
 
 #: Keys that only describe documents, in caller coordinates: a sharder reads them here and
@@ -172,83 +151,8 @@ def canonical_ids(ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return torch.where(real, start.long().cumsum(1), torch.zeros_like(ids))
 
 
-def _read_sources(batch: Mapping[str, Any], bsz: int, seq: int, sentinel: int | None
-                  ) -> dict[str, SourceRuns]:
-    """Runs of every source the batch gives but ``position_ids``, in precedence order."""
-    found: dict[str, SourceRuns] = {}
-    ids = batch.get("_packed_seq_ids")
-    if ids is not None:
-        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (bsz, seq):
-            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise CPBatchError(f"batch['_packed_seq_ids'] has shape {shape}, expected [B, S] "
-                               f"= [{bsz}, {seq}]")
-        found["_packed_seq_ids"] = id_runs(ids, "_packed_seq_ids", "_packed_seq_ids")
-    for name in ("seq_lens", "cu_seqlens"):
-        if any(batch.get(k) is not None for k in EXPLICIT_SOURCES[name]):
-            parse = segments_from_seq_lens if name == "seq_lens" else segments_from_cu_seqlens
-            segs = parse(batch, bsz, seq, torch.device("cpu"), sentinel, trailing_pad=True)
-            found[name] = segment_runs(segs, name)
-    hf = cu_seq_lens_runs(batch, bsz, seq)
-    if hf is not None:
-        found[hf.name] = hf
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        found["attention_mask_4d"] = value_runs(ids_from_4d_mask(mask, bsz, seq),
-                                                "attention_mask_4d")
-    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and _indexed(mask):
-        if tuple(mask.shape) != (bsz, seq):
-            raise CPBatchError(f"batch['attention_mask'] has shape {tuple(mask.shape)}, "
-                               f"expected [B, S] = [{bsz}, {seq}]")
-        found["attention_mask_indexed"] = id_runs(mask, "attention_mask_indexed",
-                                                  "attention_mask")
-    elif mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-        raise CPBatchError(
-            f"batch['attention_mask'] has shape "
-            f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}, "
-            f"expected [B, S] (validity or document indices) or [B, 1, S, S] (block-causal), "
-            f"with B = {bsz}, S = {seq}"
-        )
-    by_index = seq_idx_runs(batch, bsz, seq)
-    if by_index is not None:
-        found["seq_idx"] = by_index
-    return found
-
-
-def _indexed(mask: torch.Tensor) -> bool:
-    """:func:`is_indexed_mask` with the maximum read through numpy on the host."""
-    if mask.device.type != "cpu" or mask.dtype.is_floating_point or mask.dtype.is_complex \
-            or mask.dtype == torch.bool or mask.numel() == 0:
-        return is_indexed_mask(mask)
-    return max_value(mask) > 1
-
-
-def _position_source(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns | None:
-    """Runs of restarting ``position_ids``, or None when they are no source."""
-    pos = position_rows(batch.get("position_ids"), bsz, seq)
-    return None if pos is None else position_runs(pos)
-
-
 def _key(name: str) -> str:
     return "attention_mask" if name.startswith("attention_mask") else name
-
-
-def _caller_pad(batch: Mapping[str, Any], bsz: int, seq: int) -> dict[str, Intervals]:
-    """Pad intervals of ``padding_mask`` and of a 2-D ``attention_mask`` (0 == pad), for each
-    of them that was given: one reduction each when nothing is pad."""
-    out: dict[str, Intervals] = {}
-    for key in ("padding_mask", "attention_mask"):
-        t = batch.get(key)
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            continue
-        if tuple(t.shape) != (bsz, seq):
-            raise CPBatchError(
-                f"batch[{key!r}] has shape {tuple(t.shape)}, expected [B, S] = [{bsz}, {seq}]"
-            )
-        any_pad = any_true(t) if key == "padding_mask" else not all_true(t)
-        pad = (t.to(torch.bool) if key == "padding_mask" else t == 0) if any_pad else None
-        out[key] = merge_intervals([pad_mask_intervals(pad)]) if pad is not None \
-            else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    return out
 
 
 def _refuse_contradictions(batch: Mapping[str, Any], pads: Mapping[str, Intervals],
@@ -320,26 +224,26 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
     _, primary = resolve_primary(batch)
     bsz, seq = int(primary.shape[0]), int(primary.shape[1])
     device = primary.device if device is None else device
-    found = _read_sources(batch, bsz, seq, sentinel)
+    found = read_sources(batch, bsz, seq, sentinel)
     if not found:
         # Nothing to refuse: documents from restarting positions (or one per row) and the
         # caller's pad, read when first needed (a static layout's shard stays this cheap).
         state: dict[str, Any] = {}
 
         def implicit() -> DocRuns:
-            src = _position_source(batch, bsz, seq)
+            src = position_source(batch, bsz, seq)
             state["sources"] = () if src is None else ("position_ids",)
             src = single_document_runs(bsz, seq) if src is None else src
-            pad = merge_intervals(list(_caller_pad(batch, bsz, seq).values()))
+            pad = merge_intervals(list(caller_pad(batch, bsz, seq).values()))
             return DocRuns(document_starts(src, pad), pad, bsz, seq)
 
         docs = Documents(implicit, (), device=device)
         docs._sources = lambda: (docs.runs(), state["sources"])[1]
         return docs
-    by_position = _position_source(batch, bsz, seq)
+    by_position = position_source(batch, bsz, seq)
     if by_position is not None:
         found["position_ids"] = by_position
-    caller = _caller_pad(batch, bsz, seq)
+    caller = caller_pad(batch, bsz, seq)
     pads = {n: src.pad_intervals() for n, src in found.items() if n in _PAD_SOURCES}
     _refuse_contradictions(batch, pads, caller, bsz, seq)
     source_pad = bool(pads)
