@@ -175,12 +175,16 @@ def random_batch(rng: random.Random) -> dict[str, Any]:
                 flat.append([base + d - 1 for d in r])
                 base += max(r)
             batch[k] = torch.tensor(flat, dtype=torch.int32)
-        elif k == "hf_cu" and not holes and bsz == 1:
-            row = ids_t[0].tolist()
-            cu = [0] + [t for t in range(1, seq) if row[t] != row[t - 1] and row[t] > 0]
-            last = sum(v > 0 for v in row)
-            batch["cu_seq_lens_q"] = torch.tensor(cu + [last] if last else cu,
-                                                  dtype=torch.int32)
+        elif k == "hf_cu":
+            # Flat boundaries over the B*S stream: documents tile it up to the last real
+            # token, so only pad at the very end of the stream can be given this way.
+            flat = ids_t.reshape(-1).tolist()
+            last = sum(v > 0 for v in flat)
+            if all(v > 0 for v in flat[:last]):
+                cu = [t for t in range(last)
+                      if t == 0 or t % seq == 0 or flat[t] != flat[t - 1]]
+                batch["cu_seq_lens_q"] = torch.tensor(cu + [last] if last else [0],
+                                                      dtype=torch.int32)
         elif k == "labels":
             batch[k] = torch.where(pad, -100, 5)
     if rng.random() < 0.35:  # nudge one source so the sources may disagree or contradict

@@ -103,10 +103,10 @@ def segments_from_cu_seqlens(batch: Mapping[str, Any], batch_size: int, seq_len:
                                   trailing_pad=trailing_pad)
 
 
-def segments_from_flat_cu(pos: np.ndarray, real: np.ndarray | None, pos_key: str,
-                          batch_size: int, seq_len: int, trailing_pad: bool) -> Segments:
-    """Segments of flat ``[N+1]`` boundaries over the ``B*S`` stream (``pos_key`` names the
-    key in errors; ``real``: the real lengths' boundaries when ``pos`` is the padded one)."""
+def check_flat_cu(pos: np.ndarray, pos_key: str, batch_size: int, seq_len: int,
+                  trailing_pad: bool) -> None:
+    """Flat ``[N+1]`` boundaries over the ``B*S`` stream: from 0, strictly increasing, ending
+    at (``trailing_pad``: at or before) the stream's end, no document across a row end."""
     total = batch_size * seq_len
     if trailing_pad:  # [0] alone is a stream of pad only
         bad_end = pos.size < 1 or int(pos[-1]) > total
@@ -135,6 +135,15 @@ def segments_from_flat_cu(pos: np.ndarray, real: np.ndarray | None, pos_key: str
             f"end of row {int(row[i])} (rows are S={seq_len} tokens); every row start must be a "
             "boundary: no document crosses a row"
         )
+
+
+def segments_from_flat_cu(pos: np.ndarray, real: np.ndarray | None, pos_key: str,
+                          batch_size: int, seq_len: int, trailing_pad: bool) -> Segments:
+    """Segments of flat ``[N+1]`` boundaries over the ``B*S`` stream (``pos_key`` names the
+    key in errors; ``real``: the real lengths' boundaries when ``pos`` is the padded one)."""
+    check_flat_cu(pos, pos_key, batch_size, seq_len, trailing_pad)
+    span = pos[1:] - pos[:-1]
+    row = pos[:-1] // seq_len
     length = span
     if real is not None:
         if real.shape != pos.shape or int(real[0]) != 0:
@@ -157,4 +166,4 @@ def segments_from_flat_cu(pos: np.ndarray, real: np.ndarray | None, pos_key: str
     return as_segments(row, length, span, batch_size, seq_len, "cu_seqlens")
 
 
-__all__ = ["segments_from_cu_seqlens", "segments_from_flat_cu"]
+__all__ = ["segments_from_cu_seqlens", "segments_from_flat_cu", "check_flat_cu"]

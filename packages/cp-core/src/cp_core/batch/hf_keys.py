@@ -20,9 +20,9 @@ import torch
 
 import numpy as np
 
-from cp_core.batch.boundaries import DEFAULT_SENTINEL, Segments, _to_int_array
-from cp_core.batch.cu_seqlens import segments_from_flat_cu
-from cp_core.batch.source_runs import SourceRuns, segment_runs, sequence_index_runs
+from cp_core.batch.boundaries import DEFAULT_SENTINEL, _to_int_array
+from cp_core.batch.cu_seqlens import check_flat_cu
+from cp_core.batch.source_runs import SourceRuns, row_starts, sequence_index_runs
 from cp_core.errors import CPBatchError
 
 #: Every collator key read here; none of them reaches the sharded batch.
@@ -41,18 +41,32 @@ def _max_length(value: Any, key: str) -> int:
     raise CPBatchError(f"batch[{key!r}] must be an int (the longest sequence), got {found}")
 
 
-def _check_max_length(batch: Mapping[str, Any], key: str, segs: Segments) -> None:
+def _check_max_length(batch: Mapping[str, Any], key: str, longest: int) -> None:
     """``max_length_q`` / ``_k``, when given, must bound the sequences of ``cu_seq_lens``."""
     mkey = key.replace("cu_seq_lens", "max_length")
     if batch.get(mkey) is None:
         return
-    longest = int(segs.length.numpy().max()) if segs.length.numel() else 0
     given = _max_length(batch[mkey], mkey)
     if given < longest:
         raise CPBatchError(
             f"batch[{mkey!r}] is {given} but batch[{key!r}] has a sequence of {longest} tokens; "
             "the longest sequence must be at most the max length"
         )
+
+
+def flat_cu_runs(cu: np.ndarray, key: str, bsz: int, seq: int) -> SourceRuns:
+    """Runs of checked flat boundaries (O(documents)): the documents tile ``[0, cu[-1])``
+    (numbered 1, 2, ... per row), the rest of the stream is pad (a run from each later row
+    start)."""
+    check_flat_cu(cu, key, bsz, seq, True)
+    last = int(cu[-1])
+    rows = row_starts(bsz, seq)
+    # Documents never cross a row end, so every row start before ``last`` opens one.
+    starts = np.union1d(cu, rows[rows > last]) if bsz > 1 else cu
+    starts = starts[starts < bsz * seq]
+    first = np.searchsorted(starts, rows)[starts // seq]
+    labels = np.where(starts < last, np.arange(starts.size) - first + 1, 0)
+    return SourceRuns(key, starts.astype(np.int64), labels.astype(np.int64), bsz, seq)
 
 
 def cu_seq_lens_runs(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns | None:
@@ -77,10 +91,11 @@ def cu_seq_lens_runs(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns
             f"batch[{key!r}] has shape {tuple(cu.shape)}, expected flat [N+1] cumulative "
             f"boundaries over the B*S={bsz * seq} stream (as DataCollatorWithFlattening gives)"
         )
-    segs = segments_from_flat_cu(cu, None, key, bsz, seq, True)
+    runs = flat_cu_runs(cu, key, bsz, seq)
+    longest = int(np.diff(cu).max()) if cu.size > 1 else 0
     for k in given:
-        _check_max_length(batch, k, segs)
-    return segment_runs(segs, key)
+        _check_max_length(batch, k, longest)
+    return runs
 
 
 def seq_idx_runs(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns | None:
@@ -96,4 +111,4 @@ def seq_idx_runs(batch: Mapping[str, Any], bsz: int, seq: int) -> SourceRuns | N
     return sequence_index_runs(t)
 
 
-__all__ = ["HF_COLLATOR_KEYS", "cu_seq_lens_runs", "seq_idx_runs"]
+__all__ = ["HF_COLLATOR_KEYS", "cu_seq_lens_runs", "flat_cu_runs", "seq_idx_runs"]
