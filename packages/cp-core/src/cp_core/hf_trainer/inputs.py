@@ -64,51 +64,14 @@ def _shape(v: Any) -> Any:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
 
 
-def _ids_from_cu_seq_lens(cu: Any, key: str, bsz: int, seq: int) -> torch.Tensor:
-    """``[1, S]`` 1-based document ids from a flattening collator's ``cu_seq_lens`` list."""
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
-        raise CPBatchError(f"batch[{key!r}] has shape {_shape(cu)}, expected [documents + 1] "
-                           "cumulative lengths")
-    if bsz != 1:
-        raise CPBatchError(f"batch[{key!r}] describes one flattened row, but the batch has {bsz} "
-                           "rows; a flattening collator returns [1, S] tensors")
-    cu = cu.to(torch.long)
-    lengths = cu.diff()
-    if int(cu[0]) != 0 or int(cu[-1]) != seq or bool((lengths <= 0).any()):
-        raise CPBatchError(f"batch[{key!r}] = {cu.tolist()[:12]} does not split the row of "
-                           f"{seq} tokens into documents (expected 0, ..., {seq}, increasing)")
-    ids = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1, device=cu.device),
-                                  lengths)
-    return ids.unsqueeze(0)
-
-
-def _ids_from_seq_idx(seq_idx: Any, bsz: int, seq: int) -> torch.Tensor:
-    """``[B, S]`` 1-based document ids from ``seq_idx`` (0-based document index per token)."""
-    if not isinstance(seq_idx, torch.Tensor) or seq_idx.dim() != 2 \
-            or tuple(seq_idx.shape) != (bsz, seq) or seq_idx.dtype.is_floating_point:
-        raise CPBatchError(f"batch['seq_idx'] has shape {_shape(seq_idx)}, expected integer "
-                           f"[B, S] = [{bsz}, {seq}]")
-    ids = seq_idx.to(torch.long)
-    # Per row, renumber from 1 (a collator may number documents across rows).
-    return ids - ids[:, :1] + 1
-
-
-def _document_sources(inputs: Mapping[str, Any], bsz: int, seq: int) -> dict[str, Any]:
-    """The flattening keys as the resolver's ``_packed_seq_ids`` (others are left out)."""
-    if "_packed_seq_ids" in inputs:
+def _document_sources(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The flattening keys as the ``_packed_seq_ids`` they describe, read by the one resolver
+    (:func:`cp_core.batch.documents.resolve_documents` reads ``cu_seq_lens_q/k``,
+    ``max_length_q/k`` and ``seq_idx`` and checks them against every other source given)."""
+    if "_packed_seq_ids" in inputs or not any(inputs.get(k) is not None
+                                              for k in FLATTENING_KEYS):
         return {}
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        if inputs.get(key) is not None:
-            ids = _ids_from_cu_seq_lens(inputs[key], key, bsz, seq)
-            other = "cu_seq_lens_k" if key == "cu_seq_lens_q" else None
-            if other and inputs.get(other) is not None and not torch.equal(
-                    inputs[other].to(torch.long).cpu(), inputs[key].to(torch.long).cpu()):
-                raise CPBatchError("batch['cu_seq_lens_q'] and batch['cu_seq_lens_k'] differ; "
-                                   "packed self-attention needs the same documents for both")
-            return {"_packed_seq_ids": ids.to(inputs[key].device)}
-    if inputs.get("seq_idx") is not None:
-        return {"_packed_seq_ids": _ids_from_seq_idx(inputs["seq_idx"], bsz, seq)}
-    return {}
+    return {"_packed_seq_ids": resolve_documents(inputs).ids}
 
 
 def prepare_full_batch(inputs: Mapping[str, Any]) -> FullBatch:
@@ -149,7 +112,7 @@ def prepare_full_batch(inputs: Mapping[str, Any]) -> FullBatch:
                 f"per-token tensors [B, S, ...] = [{bsz}, {seq}, ...] (sharded with the tokens) "
                 f"and the document keys it knows ({', '.join(FLATTENING_KEYS + SHARDER_KEYS)}); "
                 "drop this key in the collator")
-    batch.update(_document_sources(inputs, bsz, seq))
+    batch.update(_document_sources(inputs))
     if inputs.get("shift_labels") is not None:
         targets = inputs["shift_labels"]
         if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != (bsz, seq):
