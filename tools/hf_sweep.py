@@ -3,7 +3,8 @@
 For each row of :data:`cp_core.testing.hf_models.ARCHS`, each backend, CP size and transport:
 one training step on real gloo processes (packed rows, documents by restarting position_ids,
 one row with trailing pad) against the model run in eager mode on every document alone, and
-one outcome: ``match``, ``refused`` (a library error; ``refused?`` when it does not name the
+one outcome: ``match`` (``match*``: within the fp32 spread of transformers' own sdpa vs eager),
+``refused`` (a library error; ``refused?`` when it does not name the
 row's feature), ``MISMATCH``, ``CRASH`` or ``HANG`` (``unbuilt`` / ``no truth``: transformers
 itself could not build or run the tiny model). Prints a table and writes JSON::
 

@@ -130,6 +130,17 @@ def auto_rows() -> list[str]:
     return [f"auto:{t}" for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
 
 
+def _settable(config: Any, key: str) -> bool:
+    """The config has ``key`` as a plain field (not a read-only property, not a per-layer
+    attribute that refuses global access)."""
+    if isinstance(getattr(type(config), key, None), property):
+        return False
+    try:
+        return hasattr(config, key)
+    except Exception:  # transformers' per-layer attributes raise on global access
+        return False
+
+
 def _auto_config(model_type: str, impl: str) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
@@ -139,8 +150,7 @@ def _auto_config(model_type: str, impl: str) -> Any:
     parts = [k for k, v in vars(default).items() if isinstance(v, PretrainedConfig)]
     if parts:  # its vision / audio / tokenizer parts would not be shrunk
         raise ValueError(f"{model_type} is a composite model (sub-configs {parts})")
-    fields = {k: v for k, v in AUTO_SHRINK.items() if hasattr(default, k)
-              and not isinstance(getattr(type(default), k, None), property)}
+    fields = {k: v for k, v in AUTO_SHRINK.items() if _settable(default, k)}
     for key, value in vars(default).items():  # no dropout or noise: the truth is exact
         if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "jitter")):
             fields[key] = 0.0
@@ -187,19 +197,19 @@ def documents_of(batch: dict[str, torch.Tensor]) -> list[list[tuple[int, int]]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _cached(arch: str, docs: tuple[tuple[int, ...], ...], seq: int, seed: int
+def _cached(arch: str, docs: tuple[tuple[int, ...], ...], seq: int, seed: int, impl: str
             ) -> dict[str, Any]:
     from cp_core.datasets import make_packed_batch
 
     batch = make_packed_batch([list(d) for d in docs], vocab=64, seed=seed, pad_to=seq)
-    return document_truth(tiny_model(arch, "eager"), batch)
+    return document_truth(tiny_model(arch, impl), batch)
 
 
-def cached_truth(arch: str, docs: Sequence[Sequence[int]], seq: int, seed: int = 5
-                 ) -> dict[str, Any]:
-    """:func:`document_truth` of ``make_packed_batch(docs, vocab=64, seed, pad_to=seq)``,
-    computed once per process."""
-    return _cached(arch, tuple(tuple(d) for d in docs), seq, seed)
+def cached_truth(arch: str, docs: Sequence[Sequence[int]], seq: int, seed: int = 5,
+                 impl: str = "eager") -> dict[str, Any]:
+    """:func:`document_truth` of ``make_packed_batch(docs, vocab=64, seed, pad_to=seq)`` with
+    ``attn_implementation=impl``, computed once per process."""
+    return _cached(arch, tuple(tuple(d) for d in docs), seq, seed, impl)
 
 
 def document_truth(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -9,6 +9,9 @@ adds the loss, the gradients and the per-token losses in the caller's ``[B, S]``
 else). :func:`classify` turns every rank's report and the truth into one outcome:
 
 * ``match``: loss and token losses within ``1e-5``, every gradient within ``1e-4``;
+* ``match*``: loss and token losses within ``1e-5``, gradients beyond ``1e-4`` but within twice
+  the spread between transformers' own sdpa and eager runs of the same documents (a tiny
+  config whose fp32 gradients no implementation pins down to ``1e-4``);
 * ``refused``: every rank raised a library error (``named`` says whether it names the
   row's feature, :data:`~cp_core.testing.hf_models.REFUSED_FEATURE`);
 * ``MISMATCH``: it ran and disagrees with the truth (silently wrong);
@@ -94,6 +97,17 @@ def _step(rank: int, group: Any, arch: str, backend: str, size: int, config: dic
             "weights": weights_digest(model)}
 
 
+def _fp32_spread(arch: str, docs: Sequence[Sequence[int]], seq: int) -> float | None:
+    """The worst gradient difference between transformers' own sdpa and eager runs of the
+    documents (no project code): how precisely fp32 can pin this tiny model's gradients down
+    (None when the model has no sdpa path)."""
+    try:
+        eager = cached_truth(arch, docs, seq)
+        return compare(eager, cached_truth(arch, docs, seq, impl="sdpa"))["grad"]
+    except Exception:
+        return None
+
+
 def classify(arch: str, reports: Sequence[dict[str, Any] | None],
              docs: Sequence[Sequence[int]] = DOCS, seq: int = SEQ) -> dict[str, Any]:
     """One outcome of every rank's :func:`sweep_case` report against the truth (see the
@@ -112,7 +126,15 @@ def classify(arch: str, reports: Sequence[dict[str, Any] | None],
         ok = errors["loss"] <= LOSS_TOL and errors["tokens"] <= LOSS_TOL and \
             errors["grad"] <= GRAD_TOL
         detail = f"loss {errors['loss']:.1e} grad {errors['grad']:.1e}"
-        return {"outcome": "match" if ok else "MISMATCH", "detail": detail, "errors": errors}
+        if ok:
+            return {"outcome": "match", "detail": detail, "errors": errors}
+        spread = _fp32_spread(arch, docs, seq)
+        if spread is not None and errors["loss"] <= LOSS_TOL and errors["tokens"] <= LOSS_TOL \
+                and errors["grad"] <= 2 * spread:
+            return {"outcome": "match*", "errors": errors,
+                    "detail": f"{detail}: within 2x the gradient spread of transformers' own "
+                              f"sdpa vs eager ({spread:.1e})"}
+        return {"outcome": "MISMATCH", "detail": detail, "errors": errors}
     texts = [r.get("error", "") for r in ranks if r["status"] != "ran"]
     if statuses == {"unbuilt"}:
         return {"outcome": "unbuilt", "detail": texts[0].splitlines()[0][:300]}
