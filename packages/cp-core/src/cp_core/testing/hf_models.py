@@ -275,5 +275,6 @@ def compare(truth: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
             "tokens": tokens}
 
 
-__all__ = ["ARCHS", "AUTO_SHRINK", "COMMON", "GRAD_FLOOR", "auto_rows", "REFUSED_FEATURE", "cached_truth", "compare", "document_truth",
-           "documents_of", "tiny_model", "weights_digest"]
+__all__ = ["ARCHS", "AUTO_SHRINK", "COMMON", "GRAD_FLOOR", "REFUSED_FEATURE", "auto_rows",
+           "cached_truth", "compare", "document_truth", "documents_of", "tiny_model",
+           "weights_digest"]
