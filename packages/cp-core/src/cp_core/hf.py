@@ -4,18 +4,27 @@ Importing this module registers ``"cp"`` in transformers' ``AttentionInterface``
 ``AttentionMaskInterface``. A model built with ``attn_implementation="cp"`` then runs under any
 backend's context:
 
-* each attention call takes that layer's sliding window, scaling, GQA and dropout from what
-  Hugging Face passes, and documents and padding from the sharder's plan: the caller passes no
-  ``attention_mask`` and tells the sharder nothing about windows, so models whose layers mix
-  sliding and full attention (Gemma 3) are exact;
+* each layer's kind comes from the model: ``config.layer_types[layer_idx]`` (full, sliding
+  window ``config.sliding_window``, chunked ``config.attention_chunk_size``), else the config's
+  one ``sliding_window`` for every layer, else full causal; the call's ``sliding_window`` is
+  checked against it, and a layer whose kind cannot be determined is refused. Documents and
+  padding come from the sharder's plan: the caller passes no ``attention_mask`` and tells the
+  sharder nothing about windows or chunks, so models whose layers differ in kind (Gemma 3,
+  Llama 4, Cohere 2) are exact. The sharder's ``cp.attention`` is not read here;
 * attention sinks (gpt-oss's ``s_aux``) and logit soft-capping (Gemma 2's ``softcap``) are
   passed to the transport (``sinks=``, ``softcap=``), which serves them exactly;
 * inside a sharder context no mask is built at all (the plan is the mask); outside one, the
-  mask and the attention are exactly those of ``attn_implementation="sdpa"``, and a layer
-  with sinks or soft-capping (which sdpa cannot compute) runs cp-core's kernel over the same
-  mask (:func:`cp_core.runtime.local_attention.local_attention`);
-* what the runtime cannot serve (dropout during training) is refused with
-  :class:`~cp_core.errors.CPAttentionError` naming the setting.
+  mask and the attention are exactly those of ``attn_implementation="sdpa"``, a layer with
+  sinks or soft-capping (which sdpa cannot compute) runs cp-core's kernel over the same mask
+  (:func:`cp_core.runtime.local_attention.local_attention`), and what sdpa would drop
+  silently (sparse indices, a score function) is refused;
+* every keyword argument of the call is either served, known not to change attention, or
+  refused by name (:mod:`cp_core.runtime.hf_kwargs`); a model with layers that mix tokens
+  outside attention (linear attention, state-space, sequence convolutions) is refused before
+  it runs (:mod:`cp_core.runtime.hf_model`); Llama 4's attention-temperature tuning is
+  computed from each token's position in its document, not from local offsets;
+* what the runtime cannot serve (dropout during training, a mask given to the model inside a
+  context) is refused with :class:`~cp_core.errors.CPAttentionError` naming the setting.
 
 transformers stays optional (extra ``cp-core[hf]``); nothing else in cp_core imports it.
 
@@ -30,9 +39,13 @@ from typing import Any, Mapping
 
 import torch
 
+from cp_core.plan.kinds import plan_for_kind, reconcile_kind
+from cp_core.runtime.hf_kwargs import check_kwargs
+from cp_core.runtime.hf_layer import layer_name, model_layer_kind
+from cp_core.runtime.hf_model import check_model_once, global_temperature, \
+    note_attention_call
 from cp_core.runtime.intercept import active_plan, plan_for_call, serve_call
 from cp_core.runtime.local_attention import local_attention
-from cp_core.plan.kinds import call_kind, plan_for_kind
 from cp_core.errors import CPAttentionError
 from cp_core.placement.layout import ShardLayout
 
@@ -54,12 +67,21 @@ def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
     return kwargs.get("sinks") if sinks is None else sinks
 
 
-def _refuse(module: Any, kwargs: dict[str, Any], dropout: float) -> None:
-    layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+def _refuse_dropout(module: Any, dropout: float) -> None:
     if dropout and getattr(module, "training", False):
         raise CPAttentionError(
-            f"{layer} has attention dropout {dropout} in training; set the config's "
-            "attention_dropout to 0 (the CP runtime computes exact attention)")
+            f"{layer_name(module)} has attention dropout {dropout} in training; set the "
+            "config's attention_dropout to 0 (the CP runtime computes exact attention)")
+
+
+def _refuse_mask(module: Any, attention_mask: Any) -> None:
+    if attention_mask is not None:
+        shape = tuple(getattr(attention_mask, "shape", ()))
+        raise CPAttentionError(
+            f"{layer_name(module)} got an attention mask of shape {shape} inside a sharder "
+            "context, where the plan is the mask (built from the documents and padding the "
+            "sharder was given): a mask the model or the caller built would be ignored. Call "
+            "the model without a 4-D attention_mask")
 
 
 def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -73,21 +95,28 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     plan = plan_for_call(module, query, key)
     sinks, softcap = _sinks(kwargs), kwargs.get("softcap")
     if plan is None:
+        check_kwargs(kwargs, layer_name(module), inside=False)
         if sinks is None and not softcap:
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           dropout=dropout, scaling=scaling,
                                           is_causal=is_causal, **kwargs)
-        _refuse(module, kwargs, dropout)
+        _refuse_dropout(module, dropout)
         # sdpa's rule: causal without a mask for more than one query row.
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         causal = query.shape[2] > 1 and attention_mask is None and causal
         out = local_attention(query, key, value, attention_mask, causal, scaling, sinks=sinks,
                               softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
-    _refuse(module, kwargs, dropout)
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    kind, window, chunk = call_kind(plan, causal, kwargs.get("sliding_window"))
+    layer = layer_name(module)
+    note_attention_call(plan)
+    check_kwargs(kwargs, layer)
+    _refuse_dropout(module, dropout)
+    _refuse_mask(module, attention_mask)
+    check_model_once(plan, module)
+    kind, window, chunk = reconcile_kind(model_layer_kind(module), is_causal,
+                                         kwargs.get("sliding_window"), layer)
     layer_plan = plan_for_kind(plan, kind, window, chunk)
+    query = global_temperature(module, query, layer_plan)
     out = serve_call(layer_plan, (query, key, value), {
         "is_causal": kind != "bidirectional", "scale": scaling,
         "enable_gqa": query.shape[1] != key.shape[1]}, sinks=sinks, softcap=softcap)

@@ -1,17 +1,19 @@
 """Per-call attention kinds: one step may mix causal, sliding(w), chunked(c) and full layers.
 
 The sharder's plan carries one kind (``cp.attention``); a model whose layers differ (Gemma 3
-alternates sliding and full layers, Mistral slides everywhere) names each layer's kind in its
-attention call. :func:`plan_for_kind` gives the plan of the same documents, padding and layout
-with another kind: a new :class:`~cp_core.plan.record.DocumentMask` over the same document
-ids, or a backend mask's own ``for_kind`` (magi re-derives its rectangles from the step's
-documents), cached on the step's plan, so each kind's schedule is built once per shard.
+alternates sliding and full layers, Llama 4 chunked and full ones) gives each layer's kind in
+its config (read by :mod:`cp_core.runtime.hf_layer`), and :func:`reconcile_kind` checks it
+against what the layer's call says. :func:`plan_for_kind` gives the plan of the same
+documents, padding and layout with another kind: a new
+:class:`~cp_core.plan.record.DocumentMask` over the same document ids, or a backend mask's own
+``for_kind`` (magi re-derives its rectangles from the step's documents), cached on the step's
+plan, so each kind's schedule is built once per shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from cp_core.plan.record import AttentionKind, AttentionPlan, DocumentMask, TokenMask
 from cp_core.errors import CPAttentionError
@@ -57,20 +59,45 @@ def _mask_for_kind(mask: Any, kind: AttentionKind, window: int | None, chunk: in
     return for_kind(kind, window, chunk) if callable(for_kind) else None
 
 
-def call_kind(plan: AttentionPlan, is_causal: bool, sliding_window: int | None
-              ) -> tuple[AttentionKind, int | None, int | None]:
-    """The kind of one model call: its window if it has one, full attention when it is not
-    causal, otherwise the sharder's causal flavour (``chunked`` stays chunked)."""
-    if sliding_window:
-        if not is_causal:
+#: One layer's attention: its kind, its window (sliding) and its chunk size (chunked).
+LayerKind = tuple[AttentionKind, Optional[int], Optional[int]]
+
+
+def describe_kind(kind: LayerKind) -> str:
+    """``kind`` in words, for error messages ("sliding window of 5 tokens")."""
+    name, window, chunk = kind
+    if name == "sliding_window":
+        return f"a sliding window of {window} tokens"
+    if name == "chunked":
+        return f"chunked attention in chunks of {chunk} tokens"
+    return "full causal attention" if name == "causal" else "bidirectional attention"
+
+
+def reconcile_kind(model: LayerKind, is_causal: bool | None, sliding_window: int | None,
+                   layer: str) -> LayerKind:
+    """The kind of one layer, read from the model (``model``), checked against its call.
+
+    ``is_causal`` (None: the call did not say) makes a causal layer bidirectional when False;
+    ``sliding_window`` is what the call passes (Hugging Face passes it for flash kernels): when
+    it disagrees with the model's kind the layer's kind cannot be determined and
+    :class:`CPAttentionError` names both. A chunked layer's call carries no chunk size, so the
+    model's kind is the only source for it.
+    """
+    kind, window, chunk = model
+    if is_causal is False and kind != "bidirectional":
+        if kind != "causal":
             raise CPAttentionError(
-                f"a bidirectional layer with sliding_window={sliding_window} is not supported")
-        return "sliding_window", int(sliding_window), None
-    if not is_causal:
-        return "bidirectional", None, None
-    if plan.kind == "chunked":
-        return "chunked", None, getattr(plan.mask, "chunk", None)
-    return "causal", None, None
+                f"{layer} is a bidirectional call (is_causal=False) but the model's config "
+                f"gives it {describe_kind(model)}, which only causal layers have")
+        kind = "bidirectional"
+    called = int(sliding_window) if sliding_window else None
+    if called is not None and called != window:
+        raise CPAttentionError(
+            f"{layer} passes sliding_window={called} to the attention function, but the "
+            f"model's config gives the layer {describe_kind(model)}: its kind cannot be "
+            "determined, so it is not served (a config whose layer_types / sliding_window "
+            "disagree with what the layer does)")
+    return kind, window, chunk
 
 
-__all__ = ["plan_for_kind", "call_kind"]
+__all__ = ["LayerKind", "describe_kind", "plan_for_kind", "reconcile_kind"]

@@ -149,13 +149,15 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     block's forward are served with ``plan`` wherever and whenever they run.
     """
     from cp_core.runtime.door import select_transport
+    from cp_core.runtime.hf_model import watch_models
     from cp_core.runtime.transport_registry import prepare_transport
 
     # The transport plans its communication and kernel pieces now, on the host, so that
     # nothing inside the forward or backward has to read a tensor value.
     prepare_transport(select_transport(plan), plan)
     binding = _b.for_plan(plan)
-    with _b.bound(binding), _SDPAIntercept(binding):
+    # watch_models: a model that mixes tokens outside attention is refused when first called.
+    with _b.bound(binding), _SDPAIntercept(binding), watch_models():
         yield plan
 
 
