@@ -160,9 +160,12 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not keep_graph:
         with torch.no_grad():
             out = _serve(query, key, value, *args)
-        return (_unaliased([out.contiguous()], (query, key, value))[0],
+        return (_unaliased([_like_fake(out, query)], (query, key, value))[0],
                 torch.zeros((), dtype=torch.int64))
-    leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in (query, key, value))
+    # The kept graph holds private copies. Compiled code owns the op's inputs and outputs and
+    # may write into their memory once it thinks them dead (inductor reuses buffers); a
+    # transport that saved q, k, v or its output for backward must not see that.
+    leaves = tuple(t.detach().clone().requires_grad_() for t in (query, key, value))
     with _recording():
         out = _serve(*leaves, *args)
     token_value = next(_next_token)
@@ -171,7 +174,14 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # The graph lives as long as the token: autograd keeps the token for the backward, and
     # a forward nobody differentiates drops it at once.
     weakref.finalize(token, _kept.pop, token_value, None)
-    return _unaliased([out.detach().contiguous()], (query, key, value))[0], token
+    # Always a copy (see above), in the dtype and strides the fake rule gives.
+    return out.detach().to(query.dtype, copy=True, memory_format=torch.contiguous_format), token
+
+
+def _like_fake(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``out`` as the fake rule describes it: q's dtype, contiguous (compiled code plans its
+    views on the fake tensor's strides)."""
+    return out.to(query.dtype).contiguous()
 
 
 @_attention_op.register_fake
@@ -184,16 +194,20 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if t.dim() != 4:
             raise CPAttentionError(
                 f"the CP attention expects 4-D [B, H, S, D] {name}; got shape {tuple(t.shape)}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise CPAttentionError(
+            f"query, key and value must have one dtype (as scaled_dot_product_attention "
+            f"requires); got {query.dtype}, {key.dtype}, {value.dtype}")
     b, hq, n, _ = query.shape
     out = query.new_empty((b, hq, n, value.shape[-1]))
     return out, torch.empty((), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("cp_core::attention_backward", mutates_args=())
-def _attention_backward_op(grad_out: torch.Tensor, token: torch.Tensor, query: torch.Tensor,
-                           key: torch.Tensor, value: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of the forward call that left ``token``."""
+def _attention_backward_op(grad_out: torch.Tensor, token: torch.Tensor, kv_heads: int,
+                           qk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of the forward call that left ``token`` (``kv_heads`` and ``qk_dim``
+    give the fake rule the shapes of k and q)."""
     kept = _kept.pop(int(token), None)
     if kept is None:
         raise CPAttentionError(
@@ -202,10 +216,10 @@ def _attention_backward_op(grad_out: torch.Tensor, token: torch.Tensor, query: t
             "a backward of a forward run without gradients, is not supported)")
     with _recording():
         grads = torch.autograd.grad(kept.output, kept.inputs, grad_out, allow_unused=True)
-    # Contiguous, as the fake rule promises: compiled code plans its views on that.
-    full = [x.new_zeros(x.shape) if g is None else g.to(x.dtype).contiguous()
-            for g, x in zip(grads, (query, key, value))]
-    return tuple(_unaliased(full, (grad_out, query, key, value)))  # type: ignore[return-value]
+    # Contiguous, in the output's dtype, as the fake rule promises.
+    full = [x.new_zeros(x.shape, dtype=grad_out.dtype) if g is None
+            else g.to(grad_out.dtype).contiguous() for g, x in zip(grads, kept.inputs)]
+    return tuple(_unaliased(full, (grad_out,)))  # type: ignore[return-value]
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -225,20 +239,22 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> li
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(grad_out: torch.Tensor, token: torch.Tensor, query: torch.Tensor,
-                             key: torch.Tensor, value: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+def _attention_backward_fake(grad_out: torch.Tensor, token: torch.Tensor, kv_heads: int,
+                             qk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hq, n, dv = grad_out.shape
+    return (grad_out.new_empty((b, hq, n, qk_dim)), grad_out.new_empty((b, kv_heads, n, qk_dim)),
+            grad_out.new_empty((b, kv_heads, n, dv)))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    query, key, value = inputs[:3]
-    ctx.save_for_backward(query, key, value, output[1])
+    # Only the token is saved: the kept graph has its own copies of q, k, v.
+    ctx.save_for_backward(output[1])
+    ctx.kv_heads, ctx.qk_dim = inputs[1].shape[1], inputs[0].shape[-1]
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor, _grad_token: Any) -> tuple[Any, ...]:
-    query, key, value, token = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(grad_out.contiguous(), token, query, key, value)
+    (token,) = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(grad_out.contiguous(), token, ctx.kv_heads, ctx.qk_dim)
     return (dq, dk, dv) + (None,) * 9
 
 
