@@ -10,6 +10,8 @@ each of three packed batches (other documents, the same local length) under each
 * the compiled step equals the eager step (loss and summed gradients) and both equal the
   truth: the same weights with ``attn_implementation="sdpa"`` on the whole batch with a
   document mask written pair by pair (:func:`cp_core.testing.truth.truth_step`), no CP code;
+* with Hugging Face's activation checkpointing compiled in, the backward run after the step's
+  context closed and inside the next batch's context still equals the truth;
 * the op called eagerly: torch's own registration checks (``torch.library.opcheck``: schema,
   autograd registration, fake rule), its result against the eager transport, and one
   backward per forward, refused by name a second time.
@@ -108,12 +110,52 @@ def _steps(rank: int, world: int) -> dict[str, Any] | None:
     return out if rank == 0 else None
 
 
+def _checkpointed(rank: int, world: int) -> dict[str, Any] | None:
+    """Hugging Face's activation checkpointing compiled with the model, backward after the
+    context has closed: the recomputation inside the compiled backward uses the plan of the
+    forward it belongs to (its handle is a saved input of the graph)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import cp_core.hf  # noqa: F401
+    from cp_core.grads import allreduce_gradients
+    from cp_core.loss import cp_cross_entropy
+    from cp_core.registry import build_sharder
+
+    torch._dynamo.reset()
+    group = torch.distributed.group.WORLD
+    model = _model("cp")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    sharder = build_sharder({"backend": "round_robin", "size": world, "transport": "p2p"},
+                            group)
+    out: dict[str, Any] = {}
+    for i in (0, 1):
+        ctx, local = sharder.shard(_batch(i))
+        model.zero_grad(set_to_none=True)
+        with ctx():
+            logits = compiled(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                              use_cache=False).logits
+            loss = cp_cross_entropy(logits, local["labels"], group)
+        # The next batch's context is entered before this backward runs.
+        next_ctx, _ = sharder.shard(_batch(1 - i))
+        with next_ctx():
+            loss.backward()
+        allreduce_gradients(model, group)
+        out[str(i)] = (float(loss.detach()),
+                       {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    out["graphs"] = counter.frame_count
+    return out if rank == 0 else None
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
     with RankPool(2) as pool:
         steps = pool.run(_steps, timeout=600)[0]
         op_checks = pool.run(_op_checks)[0]
-    return {"steps": steps, "op": op_checks}
+        checkpointed = pool.run(_checkpointed, timeout=600)[0]
+    return {"steps": steps, "op": op_checks, "checkpointed": checkpointed}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,6 +181,17 @@ def test_compiled_equals_eager_equals_truth(results: dict[str, Any], transport: 
     for name, g_t in grads_t.items():
         assert _rel(grads_c[name], grads_e[name]) <= 1e-4, name
         assert _rel(grads_c[name], g_t) <= 1e-4, name
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_checkpointed_backward_under_another_context_equals_truth(results: dict[str, Any],
+                                                                  batch: int) -> None:
+    loss_t, grads_t = _truth(batch)
+    loss_c, grads_c = results["checkpointed"][str(batch)]
+    assert abs(loss_c - loss_t) <= 1e-5 * abs(loss_t)
+    for name, g_t in grads_t.items():
+        assert _rel(grads_c[name], g_t) <= 1e-4, name
+    assert results["checkpointed"]["graphs"] == 1
 
 
 def _op_checks(rank: int, world: int) -> dict[str, Any] | None:

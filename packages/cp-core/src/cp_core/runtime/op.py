@@ -13,12 +13,18 @@ calls :func:`attention`, which hands the call to the custom op ``cp_core::attent
   selects the plan from a registry of live plans.
 * **Fake-tensor rule.** :func:`_attention_fake` gives the output's shape ``[B, Hq, n, Dv]``
   from the inputs' alone, so tracing never reaches the plan or another rank.
-* **Autograd.** The op runs the plan's transport with autograd recording, on detached copies
-  of q/k/v, and keeps that small graph under a *token* (a second, 0-d int64 output). The
-  registered backward passes the token to ``cp_core::attention_backward``, which
-  back-propagates the kept graph: the transport's own backward, with the plan of the forward
-  it belongs to, whichever thread runs it. A token that is dropped without a backward (eval,
-  a forward under ``no_grad`` compiled for training) frees its graph with it.
+* **Autograd.** The op runs the plan's transport with autograd recording, on private copies
+  of q/k/v, and keeps that small graph under a *token* (a second, 0-d int64 output, the only
+  tensor saved for backward). The registered backward passes the token to
+  ``cp_core::attention_backward``, which back-propagates the kept graph: the transport's own
+  backward, with the plan of the forward it belongs to, whichever thread runs it and whether
+  or not a context is open. A token dropped without a backward (eval, a forward nobody
+  differentiates) frees its graph with it. The copies (and a copied output) keep the kept
+  graph apart from memory the compiled code owns and may reuse.
+
+Both ops return contiguous tensors in q's dtype, as their fake rules say. A call whose
+gradient is not needed (``no_grad``, inputs without ``requires_grad``, decided when tracing)
+keeps nothing.
 
 Eager calls (outside ``torch.compile``) do not come here: they call the transport directly.
 """
@@ -47,8 +53,8 @@ _HANDLE_KEY = "op_handle"
 
 @dataclass
 class _Kept:
-    """What one forward call left for its backward: the detached inputs and the output of the
-    transport's own autograd graph."""
+    """What one forward call left for its backward: private copies of q, k, v (the graph's
+    leaves) and the output of the transport's own autograd graph."""
 
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     output: torch.Tensor
@@ -103,16 +109,16 @@ def _plan_of(handle: torch.Tensor) -> AttentionPlan:
     return plan
 
 
-def _autograd_keys() -> list[DispatchKey]:
-    return [DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther,
-            DispatchKey.AutogradNestedTensor]
+#: What the op's callers switch off and the kept graph needs: autograd and its view tracking.
+_AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther,
+                  DispatchKey.AutogradNestedTensor, DispatchKey.ADInplaceOrView)
 
 
 def _eager_exclude() -> torch._C.DispatchKeySet:
-    """The dispatch keys plain eager code runs without: autocast for every device where the
-    caller has not enabled it (so the transport sees the caller's autocast state)."""
+    """The caller's excluded dispatch keys less autograd, and less autocast on every device
+    where the caller enabled it (so the transport sees the caller's autocast state)."""
     keys = torch._C._dispatch_tls_local_exclude_set()
-    for key in (*_autograd_keys(), DispatchKey.ADInplaceOrView):
+    for key in _AUTOGRAD_KEYS:
         keys = keys.remove(key)
     for device, key in (("cpu", DispatchKey.AutocastCPU), ("cuda", DispatchKey.AutocastCUDA)):
         if torch.is_autocast_enabled(device):
