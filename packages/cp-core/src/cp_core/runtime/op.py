@@ -2,7 +2,8 @@
 
 Under ``torch.compile`` the transports cannot be traced: they talk to other ranks, read the
 step's host plan and keep Python state between forward and backward. Traced code therefore
-calls :func:`attention`, which hands the call to the custom op ``cp_core::attention``:
+calls :func:`attention`, which hands the call to the custom op ``cp_core::attention_<digest>``
+(the digest of this file, see :func:`_source_digest`):
 
 * **The plan is an input, not a constant.** The plan of the context that is active when the
   forward runs is named by a *handle*: a 0-d CPU int64 tensor, one per plan, published on this
@@ -15,8 +16,8 @@ calls :func:`attention`, which hands the call to the custom op ``cp_core::attent
   from the inputs' alone, so tracing never reaches the plan or another rank.
 * **Autograd.** The op runs the plan's transport with autograd recording, on private copies
   of q/k/v, and keeps that small graph under a *token* (a second, 0-d int64 output, the only
-  tensor saved for backward). The registered backward passes the token to
-  ``cp_core::attention_backward``, which back-propagates the kept graph: the transport's own
+  tensor saved for backward). The registered backward passes the token to the
+  op ``..._backward``, which back-propagates the kept graph: the transport's own
   backward, with the plan of the forward it belongs to, whichever thread runs it and whether
   or not a context is open. A token dropped without a backward (eval, a forward nobody
   differentiates) frees its graph with it. The copies (and a copied output) keep the kept
@@ -32,10 +33,12 @@ Eager calls (outside ``torch.compile``) do not come here: they call the transpor
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -45,6 +48,20 @@ from cp_core.errors import CPAttentionError
 from cp_core.plan.record import AttentionPlan
 
 _tls = threading.local()
+
+
+def _source_digest() -> str:
+    """A digest of this file. It is part of the ops' names: torch's compile caches (on disk,
+    across processes) key on the traced graph, which names the ops but not their registered
+    autograd, so a changed backward must come with a changed name or a cached graph would
+    keep calling the old one."""
+    try:
+        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
+    except OSError:  # pragma: no cover - a package without its source files
+        return "nosource"
+
+
+_OP = f"cp_core::attention_{_source_digest()}"
 #: Live plans by handle value; a plan leaves when nothing else holds it.
 _plans: "weakref.WeakValueDictionary[int, AttentionPlan]" = weakref.WeakValueDictionary()
 _next_handle = itertools.count(1)
@@ -155,7 +172,7 @@ def _serve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tens
     return serve_call(plan, (q, k, v), kwargs)
 
 
-@torch.library.custom_op("cp_core::attention", mutates_args=())
+@torch.library.custom_op(_OP, mutates_args=())
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   plan: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
                   is_causal: bool, sliding_window: int | None, scale: float | None,
@@ -209,7 +226,7 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out, torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("cp_core::attention_backward", mutates_args=())
+@torch.library.custom_op(f"{_OP}_backward", mutates_args=())
 def _attention_backward_op(grad_out: torch.Tensor, token: torch.Tensor, kv_heads: int,
                            qk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of the forward call that left ``token`` (``kv_heads`` and ``qk_dim``
