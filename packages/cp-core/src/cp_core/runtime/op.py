@@ -1,31 +1,37 @@
 """CP attention as a registered custom op, so ``torch.compile`` sees one opaque node per call.
 
 Under ``torch.compile`` the transports cannot be traced: they talk to other ranks, read the
-step's host plan and keep Python state between forward and backward. Traced code therefore
-calls :func:`attention`, which hands the call to the custom op ``cp_core::attention_<digest>``
-(the digest of this file, see :func:`_source_digest`):
+step's host plan and keep Python state between forward and backward. Traced code (Hugging
+Face's ``"cp"`` attention function, :mod:`cp_core.hf`) therefore calls :func:`attention`, which
+hands the call to the custom op ``cp_core::attention_<digest>`` (the digest of this file, see
+:func:`_source_digest`):
 
-* **The plan is an input, not a constant.** The plan of the context that is active when the
-  forward runs is named by a *handle*: a 0-d CPU int64 tensor, one per plan, published on this
-  thread by :func:`published` (entered with the context) and read back by
-  :func:`current_handle`. Traced code passes it to the op like any tensor, so the compiled
-  graph guards on its metadata only; a new batch (other documents, same local length) has
-  another handle of the same shape and runs the same graph. Inside the op the handle's value
-  selects the plan from a registry of live plans.
+* **The step is an input, not a constant.** The op gets the step's handle tensor and the
+  calling module's key (:mod:`cp_core.runtime.op_handles`), so the graph guards on neither the
+  documents nor the transport. Inside the op the call goes the eager way: the router
+  (:func:`~cp_core.runtime.route.route_call`: out of the step's module scope it runs untouched,
+  not the step's self-attention it is refused), the binding of checkpointed regions around
+  compiled code (:func:`~cp_core.runtime.recompute.bind_region`), then the layer's kind and the
+  plan's transport, sinks and soft-capping included.
 * **Fake-tensor rule.** :func:`_attention_fake` gives the output's shape ``[B, Hq, n, Dv]``
   from the inputs' alone, so tracing never reaches the plan or another rank.
-* **Autograd.** The op runs the plan's transport with autograd recording, on private copies
-  of q/k/v, and keeps that small graph under a *token* (a second, 0-d int64 output, the only
-  tensor saved for backward). The registered backward passes the token to the
-  op ``..._backward``, which back-propagates the kept graph: the transport's own
-  backward, with the plan of the forward it belongs to, whichever thread runs it and whether
-  or not a context is open. A token dropped without a backward (eval, a forward nobody
-  differentiates) frees its graph with it. The copies (and a copied output) keep the kept
-  graph apart from memory the compiled code owns and may reuse.
+* **Autograd.** The op runs the transport with autograd recording, on private copies of q, k,
+  v (and the sinks), and keeps that small graph under a *token* (a second, 0-d int64 output,
+  the only tensor saved for backward). The registered backward passes the token to the op
+  ``..._backward``, which back-propagates the kept graph: the transport's own backward, with
+  the plan of the forward it belongs to, whichever thread runs it and whether or not a
+  context is open. A token dropped without a backward (eval, a forward nobody differentiates)
+  frees its graph with it. The copies (and a copied output) keep the kept graph apart from
+  memory the compiled code owns and may reuse.
 
-Both ops return contiguous tensors in q's dtype, as their fake rules say. A call whose
-gradient is not needed (``no_grad``, inputs without ``requires_grad``, decided when tracing)
-keeps nothing.
+Both ops return contiguous tensors in q's dtype (the sinks' gradient in fp32), as their fake
+rules say. A call whose gradient is not needed (``no_grad``, inputs without
+``requires_grad``, decided when tracing) keeps nothing.
+
+Not checked here: :func:`~cp_core.runtime.recompute.check_recompute`. A call of the op inside
+backward is the compiler's own recomputation of a checkpointed region, served with the handle
+its forward saved; a form of checkpointing that re-runs compiled code with a handle read anew
+cannot be told apart from it.
 
 Eager calls (outside ``torch.compile``) do not come here: they call the transport directly.
 """
@@ -35,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +50,7 @@ import torch
 from torch._C import DispatchKey
 
 from cp_core.errors import CPAttentionError
-from cp_core.plan.record import AttentionPlan
-
-_tls = threading.local()
+from cp_core.runtime.op_handles import binding_of, current_handle, module_key, module_of
 
 
 def _source_digest() -> str:
@@ -62,69 +65,19 @@ def _source_digest() -> str:
 
 
 _OP = f"cp_core::attention_{_source_digest()}"
-#: Live plans by handle value; a plan leaves when nothing else holds it.
-_plans: "weakref.WeakValueDictionary[int, AttentionPlan]" = weakref.WeakValueDictionary()
-_next_handle = itertools.count(1)
-_HANDLE_KEY = "op_handle"
 
 
 @dataclass
 class _Kept:
-    """What one forward call left for its backward: private copies of q, k, v (the graph's
-    leaves) and the output of the transport's own autograd graph."""
+    """What one forward call left for its backward: private copies of q, k, v (and the sinks;
+    the graph's leaves) and the output of the transport's own autograd graph."""
 
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor
 
 
 _kept: dict[int, _Kept] = {}
 _next_token = itertools.count(1)
-
-
-def plan_handle(plan: AttentionPlan) -> torch.Tensor:
-    """The handle of ``plan``: a 0-d CPU int64 tensor, made once per plan."""
-    handle = plan.cache.get(_HANDLE_KEY)
-    if handle is None:
-        value = next(_next_handle)
-        # A plan entered under inference mode must still hand compiled training a normal
-        # tensor (an inference tensor cannot be saved for backward).
-        with torch.inference_mode(False):
-            handle = torch.tensor(value, dtype=torch.int64)
-        _plans[value] = plan
-        plan.cache[_HANDLE_KEY] = handle
-    return handle
-
-
-@contextlib.contextmanager
-def published(plan: AttentionPlan) -> Iterator[torch.Tensor]:
-    """Inside the block :func:`current_handle` on this thread is ``plan``'s handle."""
-    previous = getattr(_tls, "handle", None)
-    _tls.handle = plan_handle(plan)
-    try:
-        yield _tls.handle
-    finally:
-        _tls.handle = previous
-
-
-def current_handle() -> torch.Tensor | None:
-    """The handle of the plan active on this thread, or None outside every context.
-
-    Read by traced code: the compiled graph takes the tensor as an input (guarding on its
-    metadata, never its value) and recompiles only when a context appears or disappears.
-    """
-    return getattr(_tls, "handle", None)
-
-
-def _plan_of(handle: torch.Tensor) -> AttentionPlan:
-    value = int(handle)
-    plan = _plans.get(value)
-    if plan is None:
-        raise CPAttentionError(
-            f"the compiled CP attention got plan handle {value}, whose plan no longer exists: "
-            "call the compiled model inside the sharder's context of the batch it runs on"
-        )
-    return plan
-
 
 #: What the op's callers switch off and the kept graph needs: autograd and its view tracking.
 _AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther,
@@ -152,48 +105,75 @@ def _recording() -> Iterator[None]:
         yield
 
 
-def _serve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor,
-           attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
-           sliding_window: int | None, scale: float | None, enable_gqa: bool,
-           per_layer: bool) -> torch.Tensor:
-    """Run the plan's transport on one call (the same route as the eager path)."""
+def _untouched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+               causal: bool, scale: float | None, softcap: float | None, enable_gqa: bool,
+               dropout_p: float) -> torch.Tensor:
+    """What the eager path runs for a call outside the step's scope: sdpa's attention with
+    no mask (none is built inside a step), or cp-core's kernel for sinks or soft-capping."""
+    from cp_core.runtime.local_attention import local_attention
+
+    if sinks is None and not softcap:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=enable_gqa)
+    return local_attention(q, k, v, None, causal, scale, sinks=sinks, softcap=softcap)
+
+
+def _serve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+           handle: torch.Tensor, is_causal: bool, sliding_window: int | None,
+           scale: float | None, softcap: float | None, enable_gqa: bool, module: int,
+           untouched_causal: bool, dropout_p: float) -> torch.Tensor:
+    """One call, the eager way (see the module docstring)."""
     from cp_core.plan.kinds import call_kind, plan_for_kind
     from cp_core.runtime.intercept import serve_call
+    from cp_core.runtime.recompute import bind_region
+    from cp_core.runtime.route import route_call
 
-    plan = _plan_of(handle)
-    kwargs: dict[str, Any] = {"scale": scale, "enable_gqa": enable_gqa}
-    if per_layer:
-        # An attention-interface call: the layer's kind comes from the call.
-        kind, window, chunk = call_kind(plan, is_causal, sliding_window)
-        plan = plan_for_kind(plan, kind, window, chunk)
-        kwargs["is_causal"] = kind != "bidirectional"
-    else:
-        kwargs.update(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
-    return serve_call(plan, (q, k, v), kwargs)
+    binding = binding_of(handle)
+    caller = module_of(module)
+    served = route_call(binding, q, k, caller)
+    if dropout_p > 0 and (served or sinks is not None or softcap):
+        # Hugging Face passes the dropout only in training; sdpa alone can apply it.
+        layer = type(caller).__name__ if caller is not None else "an attention layer"
+        raise CPAttentionError(
+            f"{layer} has attention dropout {dropout_p} in training; set the config's "
+            "attention_dropout to 0 (the CP runtime computes exact attention)")
+    if not served:
+        return _untouched(q, k, v, sinks, untouched_causal, scale, softcap, enable_gqa,
+                          dropout_p)
+    bind_region(binding)
+    plan = binding.plan
+    kind, window, chunk = call_kind(plan, is_causal, sliding_window)
+    layer_plan = plan_for_kind(plan, kind, window, chunk)
+    return serve_call(layer_plan, (q, k, v), {
+        "is_causal": kind != "bidirectional", "scale": scale, "enable_gqa": enable_gqa},
+        sinks=sinks, softcap=softcap)
 
 
 @torch.library.custom_op(_OP, mutates_args=())
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  plan: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
-                  is_causal: bool, sliding_window: int | None, scale: float | None,
-                  enable_gqa: bool, per_layer: bool, keep_graph: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Hq, n, Dv], token)``: the plan's transport on this rank's q/k/v."""
-    args = (plan, attn_mask, dropout_p, is_causal, sliding_window, scale, enable_gqa, per_layer)
+                  sinks: torch.Tensor | None, step: torch.Tensor, is_causal: bool,
+                  sliding_window: int | None, scale: float | None, softcap: float | None,
+                  enable_gqa: bool, module: int, untouched_causal: bool, dropout_p: float,
+                  keep_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, n, Dv], token)``: this rank's attention of one call under ``step``."""
+    args = (step, is_causal, sliding_window, scale, softcap, enable_gqa, module,
+            untouched_causal, dropout_p)
     if not keep_graph:
         with torch.no_grad():
-            out = _serve(query, key, value, *args)
-        return (_unaliased([_like_fake(out, query)], (query, key, value))[0],
+            out = _serve(query, key, value, sinks, *args)
+        return (_unaliased([out.to(query.dtype).contiguous()], (query, key, value))[0],
                 torch.zeros((), dtype=torch.int64))
     # The kept graph holds private copies. Compiled code owns the op's inputs and outputs and
     # may write into their memory once it thinks them dead (inductor reuses buffers); a
     # transport that saved q, k, v or its output for backward must not see that.
-    leaves = tuple(t.detach().clone().requires_grad_() for t in (query, key, value))
+    leaves = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
     with _recording():
-        out = _serve(*leaves, *args)
+        out = _serve(*leaves[:3], leaves[3] if sinks is not None else None, *args)
     token_value = next(_next_token)
     token = torch.tensor(token_value, dtype=torch.int64)
-    _kept[token_value] = _Kept(leaves, out)  # type: ignore[arg-type]
+    _kept[token_value] = _Kept(tuple(leaves), out)
     # The graph lives as long as the token: autograd keeps the token for the backward, and
     # a forward nobody differentiates drops it at once.
     weakref.finalize(token, _kept.pop, token_value, None)
@@ -201,18 +181,12 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.detach().to(query.dtype, copy=True, memory_format=torch.contiguous_format), token
 
 
-def _like_fake(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """``out`` as the fake rule describes it: q's dtype, contiguous (compiled code plans its
-    views on the fake tensor's strides)."""
-    return out.to(query.dtype).contiguous()
-
-
 @_attention_op.register_fake
 def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    plan: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
-                    is_causal: bool, sliding_window: int | None, scale: float | None,
-                    enable_gqa: bool, per_layer: bool, keep_graph: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    sinks: torch.Tensor | None, step: torch.Tensor, is_causal: bool,
+                    sliding_window: int | None, scale: float | None, softcap: float | None,
+                    enable_gqa: bool, module: int, untouched_causal: bool, dropout_p: float,
+                    keep_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise CPAttentionError(
@@ -228,9 +202,10 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 @torch.library.custom_op(f"{_OP}_backward", mutates_args=())
 def _attention_backward_op(grad_out: torch.Tensor, token: torch.Tensor, kv_heads: int,
-                           qk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of the forward call that left ``token`` (``kv_heads`` and ``qk_dim``
-    give the fake rule the shapes of k and q)."""
+                           qk_dim: int, sink_heads: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)`` of the forward call that left ``token`` (``kv_heads``,
+    ``qk_dim`` and ``sink_heads``, 0 without sinks, give the fake rule the shapes)."""
     kept = _kept.pop(int(token), None)
     if kept is None:
         raise CPAttentionError(
@@ -239,9 +214,15 @@ def _attention_backward_op(grad_out: torch.Tensor, token: torch.Tensor, kv_heads
             "a backward of a forward run without gradients, is not supported)")
     with _recording():
         grads = torch.autograd.grad(kept.output, kept.inputs, grad_out, allow_unused=True)
-    # Contiguous, in the output's dtype, as the fake rule promises.
+    # Contiguous, in the output's dtype (the sinks': fp32), as the fake rule promises.
     full = [x.new_zeros(x.shape, dtype=grad_out.dtype) if g is None
-            else g.to(grad_out.dtype).contiguous() for g, x in zip(grads, kept.inputs)]
+            else g.to(grad_out.dtype).contiguous() for g, x in zip(grads[:3], kept.inputs)]
+    if sink_heads:
+        g = grads[3]
+        full.append(torch.zeros(sink_heads, dtype=torch.float32, device=grad_out.device)
+                    if g is None else g.to(torch.float32))
+    else:
+        full.append(grad_out.new_zeros((0,), dtype=torch.float32))
     return tuple(_unaliased(full, (grad_out,)))  # type: ignore[return-value]
 
 
@@ -263,44 +244,58 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> li
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out: torch.Tensor, token: torch.Tensor, kv_heads: int,
-                             qk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             qk_dim: int, sink_heads: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, hq, n, dv = grad_out.shape
     return (grad_out.new_empty((b, hq, n, qk_dim)), grad_out.new_empty((b, kv_heads, n, qk_dim)),
-            grad_out.new_empty((b, kv_heads, n, dv)))
+            grad_out.new_empty((b, kv_heads, n, dv)),
+            grad_out.new_empty((sink_heads,), dtype=torch.float32))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    # Only the token is saved: the kept graph has its own copies of q, k, v.
+    # Only the token is saved: the kept graph has its own copies of q, k, v and the sinks.
     ctx.save_for_backward(output[1])
-    ctx.kv_heads, ctx.qk_dim = inputs[1].shape[1], inputs[0].shape[-1]
+    query, key, _value, sinks = inputs[:4]
+    ctx.kv_heads, ctx.qk_dim = key.shape[1], query.shape[-1]
+    ctx.sink_heads = 0 if sinks is None else sinks.shape[0]
+    ctx.sinks_dtype = None if sinks is None else sinks.dtype
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor, _grad_token: Any) -> tuple[Any, ...]:
     (token,) = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(grad_out.contiguous(), token, ctx.kv_heads, ctx.qk_dim)
-    return (dq, dk, dv) + (None,) * 9
+    dq, dk, dv, dsinks = _attention_backward_op(grad_out.contiguous(), token, ctx.kv_heads,
+                                                ctx.qk_dim, ctx.sink_heads)
+    dsinks = dsinks.to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
+    return (dq, dk, dv, dsinks) + (None,) * 10
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: torch.Tensor,
-              *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-              is_causal: bool = False, sliding_window: int | None = None,
-              scale: float | None = None, enable_gqa: bool = False,
-              per_layer: bool = False) -> torch.Tensor:
-    """CP attention of one call through the custom op (what traced code calls).
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: torch.Tensor,
+              *, module: torch.nn.Module | None = None, is_causal: bool = True,
+              sliding_window: int | None = None, scale: float | None = None,
+              sinks: torch.Tensor | None = None, softcap: float | None = None,
+              enable_gqa: bool = False, untouched_causal: bool | None = None,
+              dropout_p: float = 0.0) -> torch.Tensor:
+    """``[B, Hq, n, Dv]``: one attention-interface call (Hugging Face's ``"cp"``) through the
+    custom op; what traced code calls.
 
-    ``handle`` is :func:`current_handle`. ``per_layer=True`` (an attention interface such as
-    Hugging Face's ``"cp"``) derives the layer's kind from ``is_causal`` and
-    ``sliding_window``; otherwise the call is checked like a plain SDPA call (``attn_mask``,
-    ``dropout_p``). The op keeps a graph for backward only when this call is differentiated.
+    ``step`` is :func:`~cp_core.runtime.op_handles.current_handle`; ``module`` the module
+    calling attention (routed as in eager); ``is_causal`` and ``sliding_window`` the layer's
+    kind. ``untouched_causal`` (default ``is_causal``) and ``dropout_p``: how the call runs
+    when the router leaves it untouched (outside the step's module scope). The op keeps a
+    graph for backward only when this call is differentiated.
     """
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out, _token = _attention_op(query, key, value, handle, attn_mask, float(dropout_p),
-                                bool(is_causal), sliding_window, scale, bool(enable_gqa),
-                                bool(per_layer), keep)
+    inputs = (query, key, value) + ((sinks,) if sinks is not None else ())
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    causal = bool(is_causal)
+    out, _token = _attention_op(
+        query, key, value, sinks, step, causal, sliding_window,
+        None if scale is None else float(scale), None if not softcap else float(softcap),
+        bool(enable_gqa), module_key(module),
+        causal if untouched_causal is None else bool(untouched_causal), float(dropout_p), keep)
     return out
 
 
-__all__ = ["attention", "current_handle", "plan_handle", "published"]
+__all__ = ["attention", "current_handle"]
