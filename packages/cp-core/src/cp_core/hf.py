@@ -44,6 +44,7 @@ from cp_core.runtime.hf_kwargs import check_kwargs
 from cp_core.runtime.hf_layer import layer_name, model_layer_kind
 from cp_core.runtime.hf_model import check_model_once, global_temperature, \
     note_attention_call
+from cp_core.runtime import op as compiled_op
 from cp_core.runtime.intercept import active_plan, plan_for_call, serve_call
 from cp_core.runtime.local_attention import local_attention
 from cp_core.errors import CPAttentionError
@@ -90,9 +91,15 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          is_causal: bool | None = None, **kwargs: Any
                          ) -> tuple[torch.Tensor, None]:
     """The ``"cp"`` attention function: ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out."""
-    # The step bound to this computation (also in a recomputation on another thread); None
-    # outside a step or outside its module scope: then exactly attn_implementation="sdpa".
-    plan = plan_for_call(module, query, key)
+    if not torch.compiler.is_compiling():
+        # The step bound to this computation (also in a recomputation on another thread);
+        # None outside a step or outside its module scope: then exactly "sdpa".
+        plan = plan_for_call(module, query, key)
+    elif compiled_op.current_handle() is not None:
+        return _compiled_forward(module, query, key, value, dropout, scaling, is_causal,
+                                 **kwargs)
+    else:
+        plan = None  # traced outside every step (the compiled graph guards on that)
     sinks, softcap = _sinks(kwargs), kwargs.get("softcap")
     if plan is None:
         check_kwargs(kwargs, layer_name(module), inside=False)
@@ -123,9 +130,30 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out.transpose(1, 2).contiguous(), None
 
 
+def _compiled_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, dropout: float, scaling: float | None,
+                      is_causal: bool | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`cp_attention_forward` inside a step as ``torch.compile`` traces it: the call is
+    one custom op (:mod:`cp_core.runtime.op`) that finds the step by its handle and routes,
+    refuses or serves the call as the eager path does, so the graph neither breaks nor guards
+    on the step's documents."""
+    check_kwargs(kwargs, layer_name(module))  # the allow-list, as on the eager path
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = compiled_op.attention(
+        query, key, value, compiled_op.current_handle(), module=module, is_causal=causal,
+        sliding_window=kwargs.get("sliding_window") or None, scale=scaling,
+        sinks=_sinks(kwargs), softcap=kwargs.get("softcap"),
+        enable_gqa=query.shape[1] != key.shape[1],
+        # sdpa's rule for a call the step leaves untouched (no mask is built inside a step).
+        untouched_causal=query.shape[2] > 1 and causal, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def cp_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """No mask inside a sharder context (the plan is the mask); sdpa's mask outside one."""
-    if active_plan() is not None:
+    inside = (compiled_op.current_handle() if torch.compiler.is_compiling()
+              else active_plan()) is not None
+    if inside:
         return None
     return sdpa_mask(*args, **kwargs)
 

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from cp_core.plan.record import AttentionPlan
 from cp_core.runtime import binding as _b
+from cp_core.runtime.op_handles import published
 from cp_core.runtime.recompute import bind_region, check_recompute
 from cp_core.runtime.route import caller_module, route_call
 
@@ -134,7 +135,8 @@ def serving(binding: _b.Binding) -> Iterator[_b.Binding]:
     was = getattr(_state, "serving", False)
     _state.serving = False  # a recomputation inside a transport's backward serves its calls
     try:
-        with _b.bound(binding), _SDPAIntercept(binding):
+        # published: compiled code finds the step by its handle (cp_core.runtime.op_handles).
+        with _b.bound(binding), published(binding), _SDPAIntercept(binding):
             yield binding
     finally:
         _state.serving = was
@@ -157,7 +159,7 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     prepare_transport(select_transport(plan), plan)
     binding = _b.for_plan(plan)
     # watch_models: a model that mixes tokens outside attention is refused when first called.
-    with _b.bound(binding), _SDPAIntercept(binding), watch_models():
+    with _b.bound(binding), published(binding), _SDPAIntercept(binding), watch_models():
         yield plan
 
 
