@@ -82,15 +82,26 @@ def watch_models() -> Iterator[None]:
       (it computes attention itself, on the local tokens) is refused before its loss is used.
 
     Only modules inside the step's module scope (``ctx(modules=...)``) are checked: outside it
-    attention runs untouched. Two global forward hooks, held only while the block is open; a
-    module without ``config`` costs one attribute lookup."""
-    before = torch.nn.modules.module.register_module_forward_pre_hook(_before_call)
-    after = torch.nn.modules.module.register_module_forward_hook(_after_call)
+    attention runs untouched. Two global forward hooks; a module without ``config`` costs one
+    attribute lookup while a step is open, one integer test otherwise."""
+    # The two hooks are registered once and stay: registering them per step would change
+    # torch's global hook table every step, and compiled code guards on that table (a
+    # recompile per step). Outside every step, and while torch.compile traces, they return
+    # at once (a compiled model is checked by the eager path of its first step).
+    global _HOOKS, _OPEN
+    if _HOOKS is None:
+        _HOOKS = (torch.nn.modules.module.register_module_forward_pre_hook(_before_call),
+                  torch.nn.modules.module.register_module_forward_hook(_after_call))
+    _OPEN += 1
     try:
         yield
     finally:
-        before.remove()
-        after.remove()
+        _OPEN -= 1
+
+
+#: The process-wide hook handles (registered at the first step) and the open steps' count.
+_HOOKS: tuple[Any, Any] | None = None
+_OPEN = 0
 
 
 def _plan_for(module: torch.nn.Module) -> tuple[AttentionPlan | None, Any]:
@@ -111,6 +122,8 @@ def _plan_for(module: torch.nn.Module) -> tuple[AttentionPlan | None, Any]:
 
 
 def _before_call(module: torch.nn.Module, args: Any) -> None:
+    if _OPEN == 0 or torch.compiler.is_compiling():
+        return None
     plan, config = _plan_for(module)
     if plan is None:
         return None
@@ -128,6 +141,8 @@ def _before_call(module: torch.nn.Module, args: Any) -> None:
 
 
 def _after_call(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if _OPEN == 0 or torch.compiler.is_compiling():
+        return None
     plan, config = _plan_for(module)
     if plan is None:
         return None

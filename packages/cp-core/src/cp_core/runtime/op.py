@@ -147,13 +147,18 @@ def _serve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tenso
     plan = binding.plan
     # The layer's kind from the model, as on the eager path (cp_core.hf): a chunked layer's
     # call carries no chunk size, so the call alone cannot say it.
-    layer = layer_name(caller)
-    note_attention_call(plan)
-    check_model_once(plan, caller)
-    kind, window, chunk = reconcile_kind(model_layer_kind(caller), is_causal, sliding_window,
-                                         layer)
+    if caller is not None and getattr(caller, "config", None) is not None:
+        layer = layer_name(caller)
+        note_attention_call(plan)
+        check_model_once(plan, caller)
+        model = model_layer_kind(caller)
+    else:  # called without a Hugging Face layer: the step's own kind is the layer's
+        layer = "the CP attention op"
+        model = (plan.kind, getattr(plan.mask, "window", None), getattr(plan.mask, "chunk", None))
+    kind, window, chunk = reconcile_kind(model, is_causal, sliding_window, layer)
     layer_plan = plan_for_kind(plan, kind, window, chunk)
-    q = global_temperature(caller, q, layer_plan)
+    if caller is not None:
+        q = global_temperature(caller, q, layer_plan)
     return serve_call(layer_plan, (q, k, v), {
         "is_causal": kind != "bidirectional", "scale": scale, "enable_gqa": enable_gqa},
         sinks=sinks, softcap=softcap)
