@@ -3,16 +3,18 @@
 :func:`solve` minimises the key rows the busiest rank receives subject to attention work
 max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank:
 
-1. the shortest units and the free slots are *sand* (about ``sand`` of the tokens), the rest
-   are packed by decreasing work (:mod:`cp_magi.locality.pack`): whole where they fit,
-   sliced where they must, no slice's rank above a bound ``R`` on received rows;
-2. the smallest ``R`` that packs is found by bisection (below the first bound of a coarse
-   grid that packs: a looser bound can pack worse, so feasibility is not monotone);
-3. sand fills every rank to exactly ``T`` tokens with work on the mean
-   (:mod:`cp_magi.locality.fill`);
+1. *anchors*, the units that cannot share a rank whole, get the fewest ranks the material
+   allows and are sliced graded head-tail over them (:mod:`cp_magi.locality.anchors`);
+2. every anchor's ranks form one bin, every other rank a bin of its own
+   (:mod:`cp_magi.locality.bins`); the other units are *stones*, kept whole
+   (:mod:`cp_magi.locality.stones`), or *sand* (the shortest units, about ``fraction`` of the
+   tokens, and the free slots), poured to fill every bin exactly; pair moves level the bins;
+3. an anchor's bin is dealt out to its ranks and its slices reshaped to fit them
+   (:mod:`cp_magi.locality.expand`);
 4. when the work comes out above the tolerance, the next of :data:`ATTEMPTS` (less headroom
-   for the packed units, more sand) is tried; the first balanced placement is kept (the most
-   balanced one when none is).
+   for the slices, more sand) is tried, and last the dispatch solver's equal chunks
+   (:func:`cp_magi.chunking.dispatch`, balanced whatever the documents, at its traffic); the
+   first balanced placement is kept (the most balanced one when none is).
 
 Pure host code on integers, deterministic (stable sorts, index tie-breaks, no time limits):
 every rank solves alone and reaches the same placement.
@@ -25,18 +27,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from cp_core.backend_api import RankRuns
-from cp_magi.locality.fill import FREE, Ranks, pour_sand
-from cp_magi.locality.level import level
-from cp_magi.locality.pack import pack
-from cp_magi.locality.units import Units
+from cp_magi.locality.anchors import Material, allocate
+from cp_magi.locality.bins import FREE, Bins, level, pour
+from cp_magi.locality.expand import expand_anchor
+from cp_magi.locality.slicing import Slice
+from cp_magi.locality.stones import place_stones
+from cp_magi.locality.units import Part, Units
 
-#: (share of the tolerance the packed units may use, sand fraction), tried in order.
-ATTEMPTS: tuple[tuple[float, float, float], ...] = (
-    (0.5, 0.15, 1.0), (0.5, 0.15, 0.25), (0.5, 0.3, 1.0), (0.5, 0.3, 0.25), (0.0, 0.3, 1.0),
-    (-1.0, 0.5, 1.0),
-)
-#: Coarse grid of bounds (fractions of the longest unit) scanned before the bisection.
-GRID = 16
+#: (share of the tolerance the slices may use, sand fraction), tried in order.
+ATTEMPTS: tuple[tuple[float, float], ...] = ((0.5, 0.15), (0.5, 0.3), (0.0, 0.3), (-1.0, 0.5))
+
+Holding = dict[int, list[Part]]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,6 @@ class Placement:
         work: ``[cp]`` attention work of every rank (the kind model's count).
         recv: ``[cp]`` key rows every rank receives (the kind model's count).
         split_units: units not held whole by one rank.
-        bound: the packed slices' bound on received rows (0 when nothing was sliced).
         tokens_per_rank: ``T``.
     """
 
@@ -56,7 +56,6 @@ class Placement:
     work: np.ndarray
     recv: np.ndarray
     split_units: int
-    bound: int
     tokens_per_rank: int
 
     @property
@@ -66,29 +65,105 @@ class Placement:
         return float(self.work.max()) / mean if mean > 0 else 1.0
 
 
-def _runs(ranks: Ranks, units: Units) -> RankRuns:
-    starts, lengths = [], []
-    for held in ranks.parts:
-        runs = []
-        for u, parts in held.items():
-            base = 0 if u == FREE else int(units.starts[u])
-            runs += [(base + a, b - a) for a, b in parts]
-        runs.sort()
-        starts.append(np.asarray([s for s, _ in runs], np.int64))
-        lengths.append(np.asarray([n for _, n in runs], np.int64))
-    return RankRuns.build(starts, lengths)
-
-
-def split_sand(units: Units, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(sand, packed)`` unit ids: the shortest units up to ``fraction`` of all tokens
-    (counting the free slots as sand first)."""
-    order = np.lexsort((np.arange(units.lengths.size), units.lengths))
+def split_sand(units: Units, fraction: float, anchors: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``(sand, stones)``: the shortest non-anchor units up to ``fraction`` of all tokens
+    (counting the free slots as sand first), and the other non-anchor units."""
+    rest = np.setdiff1d(np.arange(units.lengths.size), anchors)
+    order = rest[np.lexsort((rest, units.lengths[rest]))]
     free = int((units.free[:, 1] - units.free[:, 0]).sum()) if units.free.size else 0
     want = fraction * units.stream_len - free
     n = 0
     if want > 0 and order.size:
         n = min(order.size, int(np.searchsorted(np.cumsum(units.lengths[order]), want)) + 1)
     return np.sort(order[:n]), np.sort(order[n:])
+
+
+def _work(units: Units, held: Holding) -> int:
+    return sum(units.model.work(int(units.lengths[u]), a, b)
+               for u, parts in held.items() if u != FREE for a, b in parts)
+
+
+def _recv(units: Units, held: Holding) -> int:
+    return sum(units.model.recv(int(units.lengths[u]), parts)
+               for u, parts in held.items() if u != FREE)
+
+
+def _runs(holdings: list[Holding], units: Units) -> RankRuns:
+    starts, lengths = [], []
+    for held in holdings:
+        runs = sorted((a if u == FREE else int(units.starts[u]) + a, b - a)
+                      for u, parts in held.items() for a, b in parts)
+        starts.append(np.asarray([s for s, _ in runs], np.int64))
+        lengths.append(np.asarray([n for _, n in runs], np.int64))
+    return RankRuns.build(starts, lengths)
+
+
+def _attempt(units: Units, cp: int, t: int, mean: float, tolerance: float, share: float,
+             fraction: float) -> list[Holding]:
+    slices, anchors = allocate(units, cp, t, mean, mean * (1 + share * tolerance))
+    groups: dict[int, list[Slice]] = {}
+    for s in slices:
+        groups.setdefault(s.unit, []).append(s)
+    keys = sorted(groups)
+    ranks_left = cp - sum(len(groups[u]) for u in keys)
+    if ranks_left < 0:
+        raise ValueError("more slices than ranks")
+    capacity = [len(groups[u]) * t - int(units.lengths[u]) for u in keys] + [t] * ranks_left
+    target = [len(groups[u]) * mean - float(units.work[u]) for u in keys] + [mean] * ranks_left
+    bins = Bins.empty(np.asarray(capacity, np.int64), np.asarray(target, np.float64))
+    sand, stones = split_sand(units, fraction, anchors)
+    free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
+    material = Material.of(np.concatenate([units.lengths[sand], free]),
+                           np.concatenate([units.work[sand], np.zeros(free.size, np.int64)]))
+    left = place_stones(bins, units, stones, tolerance * mean / 4, material.lightest)
+    poured = np.concatenate([sand, np.asarray(left, np.int64)])
+    pieces = [(int(u), 0, int(units.lengths[u])) for u in poured.tolist()]
+    pieces += [(FREE, int(a), int(b)) for a, b in units.free.tolist()]
+    pour(bins, units, pieces)
+    level(bins, units, poured, tolerance * mean / 2)
+    sand_set = set(poured.tolist())
+    holdings: list[Holding] = []
+    for i, u in enumerate(keys):
+        holdings += expand_anchor(units, u, groups[u], bins.parts[i], t, mean, sand_set)
+    holdings += [bins.parts[len(keys) + j] for j in range(ranks_left)]
+    return holdings
+
+
+def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
+    """Every rank's holdings (parts per unit) from its stream runs."""
+    ends = units.starts + units.lengths
+    out: list[Holding] = []
+    for starts, lengths in zip(runs.starts, runs.lengths):
+        held: Holding = {}
+        for a, n in zip(starts.tolist(), lengths.tolist()):
+            e = a + n
+            while a < e:
+                u = int(np.searchsorted(ends, a, side="right"))
+                if u < units.starts.size and units.starts[u] <= a:
+                    b = min(e, int(ends[u]))
+                    held.setdefault(u, []).append((a - int(units.starts[u]), b - int(units.starts[u])))
+                else:  # a free slot: up to the next unit or the run's end
+                    b = min(e, int(units.starts[u])) if u < units.starts.size else e
+                    held.setdefault(FREE, []).append((a, b))
+                a = b
+        out.append(held)
+    return out
+
+
+def _fallback(units: Units, cp: int, t: int) -> list[Holding]:
+    """Equal chunks dealt by the dispatch solver (:func:`cp_magi.chunking.dispatch`): balanced
+    whatever the documents, at the dispatch's traffic."""
+    from cp_magi.chunking import chunk_rank_runs, dispatch
+    from cp_magi.mask_builders import document_mask
+
+    model = units.model
+    spans = np.stack([units.starts, units.starts + units.lengths], axis=1)
+    kind = "causal" if model.graded else model.kind
+    rects = document_mask(spans, units.stream_len, attention=kind, window=model.window)
+    per_rank = next(d for d in range(16, 0, -1) if t % d == 0)
+    plan, assignment = dispatch(rects, cp, t // per_rank, per_rank)
+    return holdings_of_runs(units, chunk_rank_runs(plan, assignment.rank_chunks))
 
 
 def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
@@ -98,33 +173,31 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
     t = units.stream_len // cp
     mean = units.total_work / cp
     best = None
-    for share, fraction, lighter in ATTEMPTS:
-        sand, members = split_sand(units, fraction)
-        sand_tokens = int(units.lengths[sand].sum()) + int(
-            (units.free[:, 1] - units.free[:, 0]).sum() if units.free.size else 0)
-        rho = float(units.work[sand].sum()) / sand_tokens if sand_tokens else 0.0
-        top = int(units.lengths[members].max()) if members.size else 0
-        balanced_here = False
-        for bound in sorted({top * i // GRID for i in range(GRID + 1)}):
-            ranks, _, left = pack(units, members, cp, t, mean * (1 + share * tolerance), rho,
-                                  bound, rho * lighter)
-            poured = np.concatenate([sand, np.asarray(left, np.int64)])
-            pour_sand(ranks, units, poured, t, mean)
-            level(ranks, units, poured, t, mean * (1 + tolerance / 2))
-            worst = float(ranks.work.max()) / mean if mean > 0 else 1.0
-            balanced = worst <= 1.0 + tolerance
-            key = (not balanced, float(ranks.recv(units).max()) if balanced else worst)
-            if best is None or key < best[0]:
-                best = (key, ranks, bound)
-            balanced_here |= balanced
-        if balanced_here:
+    for share, fraction in ATTEMPTS + ((None, None),):
+        if share is None:
+            holdings = _fallback(units, cp, t)
+        else:
+            try:
+                holdings = _attempt(units, cp, t, mean, tolerance, share, fraction)
+            except ValueError:  # more slices than ranks: nothing to place them on
+                continue
+        work = np.asarray([_work(units, h) for h in holdings], np.int64)
+        recv = np.asarray([_recv(units, h) for h in holdings], np.int64)
+        worst = float(work.max()) / mean if mean > 0 else 1.0
+        balanced = worst <= 1.0 + tolerance
+        key = (not balanced, float(recv.max()) if balanced else worst)
+        if best is None or key < best[0]:
+            best = (key, holdings, work, recv)
+        if balanced:
             break
-    if best is None:
-        raise RuntimeError("no packing found")  # unreachable: the loosest bound always packs
-    _, ranks, bound = best
-    split = sum(1 for u in range(units.lengths.size)
-                if sum(u in held for held in ranks.parts) > 1)
-    return Placement(_runs(ranks, units), ranks.work.copy(), ranks.recv(units), split, bound, t)
+    assert best is not None
+    _, holdings, work, recv = best
+    owners = np.zeros(units.lengths.size, np.int64)
+    for held in holdings:
+        for u in held:
+            if u != FREE:
+                owners[u] += 1
+    return Placement(_runs(holdings, units), work, recv, int((owners > 1).sum()), t)
 
 
 __all__ = ["Placement", "solve", "split_sand", "ATTEMPTS"]
