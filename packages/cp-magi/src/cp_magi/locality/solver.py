@@ -23,6 +23,8 @@ every rank solves alone and reaches the same placement.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import numpy as np
 
@@ -31,11 +33,15 @@ from cp_magi.locality.anchors import Material, allocate
 from cp_magi.locality.bins import FREE, Bins, level, pour
 from cp_magi.locality.expand import expand_anchor
 from cp_magi.locality.slicing import Slice
+from cp_magi.locality.pack import pack
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.units import Part, Units
 
 #: (share of the tolerance the slices may use, sand fraction), tried in order.
 ATTEMPTS: tuple[tuple[float, float], ...] = ((0.5, 0.15), (0.5, 0.3), (0.0, 0.3), (-1.0, 0.5))
+#: Sand fractions and bound grid of the rank-level packing (:mod:`cp_magi.locality.pack`).
+PACK_SAND: tuple[float, ...] = (0.15, 0.3)
+PACK_GRID = 8
 
 Holding = dict[int, list[Part]]
 
@@ -166,21 +172,41 @@ def _fallback(units: Units, cp: int, t: int) -> list[Holding]:
     return holdings_of_runs(units, chunk_rank_runs(plan, assignment.rank_chunks))
 
 
+def _packed(units: Units, cp: int, t: int, mean: float, tolerance: float, fraction: float,
+            bound: int) -> list[Holding]:
+    sand, members = split_sand(units, fraction, np.zeros(0, np.int64))
+    ranks, _, left = pack(units, members, cp, t, mean, mean * (1 + tolerance / 2), bound)
+    poured = np.concatenate([sand, np.asarray(left, np.int64)])
+    pieces = [(int(u), 0, int(units.lengths[u])) for u in poured.tolist()]
+    pieces += [(FREE, int(a), int(b)) for a, b in units.free.tolist()]
+    pour(ranks, units, pieces)
+    level(ranks, units, poured, tolerance * mean / 2)
+    return ranks.parts
+
+
 def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
     """The placement of ``units`` on ``cp`` ranks (module docstring)."""
     if units.stream_len % cp:
         raise ValueError(f"stream of {units.stream_len} slots does not split over cp={cp}")
     t = units.stream_len // cp
     mean = units.total_work / cp
+    top = int(units.lengths.max()) if units.lengths.size else 0
+    floor = max(0, top - t)
+    tries: list[Callable[[], list[Holding]]] = []
+    for fraction in PACK_SAND:
+        for i in range(PACK_GRID + 1):
+            bound = floor + (top - floor) * i // PACK_GRID
+            tries.append(partial(_packed, units, cp, t, mean, tolerance, fraction, bound))
+    tries += [partial(_attempt, units, cp, t, mean, tolerance, share, fraction)
+              for share, fraction in ATTEMPTS]
     best = None
-    for share, fraction in ATTEMPTS + ((None, None),):
-        if share is None:
-            holdings = _fallback(units, cp, t)
-        else:
-            try:
-                holdings = _attempt(units, cp, t, mean, tolerance, share, fraction)
-            except ValueError:  # more slices than ranks: nothing to place them on
-                continue
+    for run in tries + [partial(_fallback, units, cp, t)]:
+        if best is not None and not best[0][0] and run.func is _fallback:
+            break
+        try:
+            holdings = run()
+        except ValueError:  # more slices than ranks: nothing to place them on
+            continue
         work = np.asarray([_work(units, h) for h in holdings], np.int64)
         recv = np.asarray([_recv(units, h) for h in holdings], np.int64)
         worst = float(work.max()) / mean if mean > 0 else 1.0
@@ -188,8 +214,6 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
         key = (not balanced, float(recv.max()) if balanced else worst)
         if best is None or key < best[0]:
             best = (key, holdings, work, recv)
-        if balanced:
-            break
     assert best is not None
     _, holdings, work, recv = best
     owners = np.zeros(units.lengths.size, np.int64)
