@@ -206,7 +206,7 @@ def _stones_of(bins: Bins, b: int, units: Units, sand: set[int], owners: dict[in
 
 
 def level(bins: Bins, units: Units, sand_units: np.ndarray, slack: float,
-          rounds: int = 64) -> None:
+          rounds: int = 32) -> None:
     """Pair moves between the bin most above its target and those below (module docstring)."""
     sand = set(sand_units.tolist())
     owners: dict[int, int] = {}

@@ -81,19 +81,21 @@ def _window_prefix(x: int, w: int) -> int:
 
 
 def _window_need(parts: Sequence[Part], w: int) -> int:
-    """Keys ``[a - w + 1, a)`` before each held part that the holder does not hold itself."""
+    """Keys in the union of ``[a - w + 1, a)`` before each held part ``[a, b)`` that the holder
+    does not hold itself."""
     own = sorted(parts)
-    need = 0
-    for a, _ in own:
-        lo = max(0, a - w + 1)
-        # Subtract what of [lo, a) is held (held parts are disjoint and sorted).
-        missing = a - lo
+    need = sorted((max(0, a - w + 1), a) for a, _ in own)
+    total, reach = 0, 0
+    for lo, hi in need:  # the union, left to right
+        lo = max(lo, reach)
+        if hi <= lo:
+            continue
+        missing = hi - lo
         for c, d in own:
-            if d <= lo or c >= a:
-                continue
-            missing -= min(d, a) - max(c, lo)
-        need += missing
-    return need
+            missing -= max(0, min(d, hi) - max(c, lo))
+        total += missing
+        reach = hi
+    return total
 
 
 def kind_model(attention: str, window: int | None) -> KindModel:
