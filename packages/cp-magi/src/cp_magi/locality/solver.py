@@ -56,6 +56,8 @@ class Placement:
         recv: ``[cp]`` key rows every rank receives (the kind model's count).
         split_units: units not held whole by one rank.
         tokens_per_rank: ``T``.
+        method: what found it: ``pack`` (rank-level packing), ``groups`` (an anchor's ranks
+            as one bin) or ``dispatch`` (the equal-chunk fallback).
     """
 
     runs: RankRuns
@@ -63,6 +65,7 @@ class Placement:
     recv: np.ndarray
     split_units: int
     tokens_per_rank: int
+    method: str = "pack"
 
     @property
     def balance(self) -> float:
@@ -213,15 +216,16 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
         balanced = worst <= 1.0 + tolerance
         key = (not balanced, float(recv.max()) if balanced else worst)
         if best is None or key < best[0]:
-            best = (key, holdings, work, recv)
+            method = {_packed: "pack", _attempt: "groups"}.get(run.func, "dispatch")
+            best = (key, holdings, work, recv, method)
     assert best is not None
-    _, holdings, work, recv = best
+    _, holdings, work, recv, method = best
     owners = np.zeros(units.lengths.size, np.int64)
     for held in holdings:
         for u in held:
             if u != FREE:
                 owners[u] += 1
-    return Placement(_runs(holdings, units), work, recv, int((owners > 1).sum()), t)
+    return Placement(_runs(holdings, units), work, recv, int((owners > 1).sum()), t, method)
 
 
 __all__ = ["Placement", "solve", "split_sand", "ATTEMPTS"]
