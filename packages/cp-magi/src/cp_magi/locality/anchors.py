@@ -136,7 +136,11 @@ def allocate(units: Units, cp: int, t: int, mean: float, cap: float
                              np.concatenate([units.work, np.zeros(free.size, np.int64)]))
     lightest_fill = np.array([everything.lightest(max(t - n, 0))
                               for n in units.lengths.tolist()])
-    heavy = (units.lengths > t) | (units.work + lightest_fill > cap)
+    # Only units denser than the stream's mean anchor ranks: a long unit lighter than that
+    # needs denser material beside it, which only other anchors' slices are, so it is fill
+    # (the sand cuts it where the ranks need).
+    dense = units.work * t > mean * units.lengths
+    heavy = dense & ((units.lengths > t) | (units.work + lightest_fill > cap))
     order = np.nonzero(heavy)[0]
     order = order[np.lexsort((order, -units.work[order]))]
     k = {int(u): max(1, -(-int(units.lengths[u]) // t), int(math.ceil(units.work[u] / cap)))

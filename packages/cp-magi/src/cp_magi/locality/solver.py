@@ -170,7 +170,7 @@ def _fallback(units: Units, cp: int, t: int) -> list[Holding]:
     spans = np.stack([units.starts, units.starts + units.lengths], axis=1)
     kind = "causal" if model.graded else model.kind
     rects = document_mask(spans, units.stream_len, attention=kind, window=model.window)
-    per_rank = next(d for d in range(16, 0, -1) if t % d == 0)
+    per_rank = next(d for d in range(8, 0, -1) if t % d == 0)
     plan, assignment = dispatch(rects, cp, t // per_rank, per_rank)
     return holdings_of_runs(units, chunk_rank_runs(plan, assignment.rank_chunks))
 
