@@ -197,14 +197,18 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
     floor = max(0, top - t)
     tries: list[Callable[[], list[Holding]]] = []
     for fraction in PACK_SAND:
-        for i in range(PACK_GRID + 1):
-            bound = floor + (top - floor) * i // PACK_GRID
+        for bound in sorted({floor + (top - floor) * i // PACK_GRID
+                             for i in range(PACK_GRID + 1)}):
             tries.append(partial(_packed, units, cp, t, mean, tolerance, fraction, bound))
     tries += [partial(_attempt, units, cp, t, mean, tolerance, share, fraction)
               for share, fraction in ATTEMPTS]
+    # No layout with equal shares receives less than this (causal: the holder of a unit's
+    # last row receives every row of it that it does not hold): reaching it ends the search.
+    least = floor if units.model.graded else 0
     best = None
     for run in tries + [partial(_fallback, units, cp, t)]:
-        if best is not None and not best[0][0] and run.func is _fallback:
+        if best is not None and not best[0][0] and (run.func is _fallback
+                                                    or best[0][1] <= least):
             break
         try:
             holdings = run()
