@@ -1,20 +1,26 @@
 """The locality placement: long units sliced over few ranks, everything else whole, balanced.
 
 :func:`solve` minimises the key rows the busiest rank receives subject to attention work
-max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank:
+max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank. It tries two constructions
+and keeps, of the balanced placements, the one whose busiest rank receives least:
 
-1. *anchors*, the units that cannot share a rank whole, get the fewest ranks the material
-   allows and are sliced graded head-tail over them (:mod:`cp_magi.locality.anchors`);
-2. every anchor's ranks form one bin, every other rank a bin of its own
-   (:mod:`cp_magi.locality.bins`); the other units are *stones*, kept whole
-   (:mod:`cp_magi.locality.stones`), or *sand* (the shortest units, about ``fraction`` of the
-   tokens, and the free slots), poured to fill every bin exactly; pair moves level the bins;
-3. an anchor's bin is dealt out to its ranks and its slices reshaped to fit them
-   (:mod:`cp_magi.locality.expand`);
-4. when the work comes out above the tolerance, the next of :data:`ATTEMPTS` (less headroom
-   for the slices, more sand) is tried, and last the dispatch solver's equal chunks
-   (:func:`cp_magi.chunking.dispatch`, balanced whatever the documents, at its traffic); the
-   first balanced placement is kept (the most balanced one when none is).
+* *packing* (:mod:`cp_magi.locality.pack`): units by decreasing work onto the ranks, whole
+  where they fit, sliced graded head-tail where they must, no slice's rank above a bound
+  ``R`` on received rows; the shortest units and the free slots (*sand*, :data:`PACK_SAND` of
+  the tokens) then fill every rank exactly and pair moves level the work
+  (:mod:`cp_magi.locality.bins`). Feasibility is not monotone in ``R`` (a loose bound lets
+  slices take tails only), so a grid of :data:`PACK_GRID` bounds between the equal-share
+  bound and the longest unit is tried;
+* *anchor groups* (:mod:`cp_magi.locality.anchors`): every unit denser than the mean that
+  cannot share a rank whole gets the fewest ranks the material allows, its ranks form one
+  bin that stones (:mod:`cp_magi.locality.stones`) and sand fill, and its slices are then cut
+  to fit its ranks exactly (:mod:`cp_magi.locality.expand`), for each of :data:`ATTEMPTS`.
+
+The search ends early once the busiest rank is at the equal-share bound (causal: the holder
+of the longest unit's last row receives all of it it does not hold, so at least ``L - T``).
+When no construction balances, the dispatch solver's equal chunks
+(:func:`cp_magi.chunking.dispatch`, balanced whatever the documents, at its traffic) are the
+answer; the most balanced placement otherwise.
 
 Pure host code on integers, deterministic (stable sorts, index tie-breaks, no time limits):
 every rank solves alone and reaches the same placement.
@@ -37,9 +43,9 @@ from cp_magi.locality.pack import pack
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.units import Part, Units
 
-#: (share of the tolerance the slices may use, sand fraction), tried in order.
+#: Anchor groups: (share of the tolerance the slices may use, sand fraction).
 ATTEMPTS: tuple[tuple[float, float], ...] = ((0.5, 0.15), (0.5, 0.3), (0.0, 0.3), (-1.0, 0.5))
-#: Sand fractions and bound grid of the rank-level packing (:mod:`cp_magi.locality.pack`).
+#: Packing: the sand fractions, and the number of steps of the grid of bounds.
 PACK_SAND: tuple[float, ...] = (0.15, 0.3)
 PACK_GRID = 8
 
