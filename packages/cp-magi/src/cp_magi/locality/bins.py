@@ -241,7 +241,7 @@ def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int],
     moves: list[tuple[int | None, int | None]] = [(None, None)]
     moves += [(s, None) for s in mine] + [(None, s) for s in theirs]
     moves += [(s, o) for s in mine for o in theirs]
-    best = None
+    ranked = []
     for sa, sb in moves:
         dt = (int(units.lengths[sa]) if sa is not None else 0) - \
             (int(units.lengths[sb]) if sb is not None else 0)
@@ -252,8 +252,17 @@ def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int],
                 int(bins.capacity[b]) - (ft[1] + dt):
             continue
         wa = fw[0] - dw
-        # Equal excess: wa + x - ta = total - wa - x - tb.
-        d, got = line.split(tau, (total - tb + ta) / 2 - wa)
+        # Equal excess: wa + x - ta = total - wa - x - tb. The sand work a bin can get lies
+        # between its lightest and its densest tau tokens: rank the moves by that clamp (two
+        # lookups), and split exactly only the best few.
+        goal = (total - tb + ta) / 2 - wa
+        got = min(max(goal, line.light(tau)), line.dense(tau))
+        worst = max(wa + got - ta, total - wa - got - tb)
+        if worst < now - 1e-9:
+            ranked.append((worst, len(ranked), sa, sb, tau, goal, wa))
+    best = None
+    for _, _, sa, sb, tau, goal, wa in sorted(ranked)[:3]:
+        d, got = line.split(tau, goal)
         worst = max(wa + got - ta, total - wa - got - tb)
         if worst < now - 1e-9 and (best is None or worst < best[0]):
             best = (worst, sa, sb, d, tau)
