@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cp_magi.locality.bins import Bins, Piece, pour, work_of
+from cp_magi.locality.bins import Bins, Piece, pour
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.units import Part, Units

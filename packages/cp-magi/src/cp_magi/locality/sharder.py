@@ -45,6 +45,8 @@ from cp_magi.locality.solver import Placement, solve
 from cp_magi.locality.units import build_units, kind_model
 from cp_magi.mask import RectangleTokenMask
 from cp_magi.mask_builders import document_mask
+# The same mask as magi's (documents' rectangles, pad holes removed, other layer kinds derived
+# on demand): one definition in this package.
 from cp_magi.sharder import _has_holes, _kind_builder
 
 ShardResult = tuple[Callable[[], ContextManager[Any]], dict[str, Any], ShardLayout]
