@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "bench" / "run.py"
-BENCHMARKS = ("balance", "host", "gather", "transport", "step")
+BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality")
 COMMON_KEYS = {"benchmark", "command", "machine", "settings", "columns", "rows", "notes"}
 
 
@@ -130,3 +130,14 @@ def test_step_fields(results: dict[str, dict]) -> None:
     for r in rows:
         assert r["peak_mb"] > 0 and r["step_s"] > 0
         assert r["local_tokens"] * r["cp"] >= r["tokens"]
+
+
+def test_locality_fields(results: dict[str, dict]) -> None:
+    rows = _ok_rows(results["locality"])
+    assert {"round_robin", "locality"} <= {r["backend"] for r in rows}
+    for r in rows:
+        assert r["work_mean"] >= 1.0 - 1e-9 and r["work_mean"] <= r["work_worst"] + 1e-12
+        assert r["recv_busiest_mean"] >= 0 and r["rows"] >= 1
+        if r["backend"] == "round_robin":  # every ratio is over round_robin's busiest rank
+            assert r["busiest_vs_rr_mean"] == pytest.approx(1.0)
+    assert results["locality"]["timed"], "no measured attention call"

@@ -33,7 +33,8 @@ from cp_core.testing.truth import truth_step
 
 _installed = installed
 
-BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
+BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag",
+            "locality")
 #: fp32: the truth runs SDPA's math kernel, the backends a blocked online-softmax kernel.
 RTOL = 1e-5
 

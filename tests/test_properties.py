@@ -29,7 +29,8 @@ from cp_core.testing import installed
 _installed = installed
 loadable = _installed.loadable
 
-BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag")
+BACKENDS = ("identity", "contiguous", "round_robin", "aux_only", "te_thd", "magi", "blockdiag",
+            "locality")
 
 
 @st.composite

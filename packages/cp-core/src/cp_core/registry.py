@@ -30,6 +30,7 @@ ENTRY_POINT_GROUP = "cp_core.backends"
 KNOWN_EXTRAS: Mapping[str, str] = MappingProxyType({
     "te_thd": "pip install 'cp-core[te]'",
     "magi": "pip install 'cp-core[magi]'",
+    "locality": "pip install 'cp-core[magi]'",
     "blockdiag": "pip install 'cp-core[blockdiag]'",
 })
 

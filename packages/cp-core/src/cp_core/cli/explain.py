@@ -166,6 +166,9 @@ def explain(q: Question) -> str:
     if heads:
         lines += ["", heads]
     lines += ["", "attention transports (cp.transport=<name>):", *_transport_lines(q)]
+    from cp_core.cli.pick import recommend
+
+    lines += ["", *recommend(q, sorted(loaded))]
     return "\n".join(lines)
 
 

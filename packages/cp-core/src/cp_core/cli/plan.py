@@ -205,17 +205,23 @@ def format_plan(plan: LayoutPlan, description: str, shape: Sequence[int]) -> str
 def format_comparison(results: Sequence[Mapping[str, Any]]) -> str:
     """One table comparing the summaries (``LayoutPlan.to_dict()``) of several runs."""
     head = (f"{'backend':<14} {'cp':>3} {'tokens/rank':>12} {'pad':>8} {'tokens max/mean':>16} "
-            f"{'work max/mean':>14} {'max share':>10}")
+            f"{'work max/mean':>14} {'max share':>10} {'busiest recv':>13} {'recv max/mean':>14}")
     lines = ["cp-plan comparison", head, "-" * len(head)]
     for res in results:
         ranks = res["ranks"]
         shares = [r["work_share"] for r in ranks if r["work_share"] is not None]
         wb = res["work_balance"]
+        # Key rows each rank receives per attention call (its p2p schedule), when known.
+        recv = [r.get("recv_rows") for r in ranks]
+        known = [x for x in recv if x is not None] if None not in recv else []
+        mean_recv = sum(known) / len(known) if known else 0.0
         lines.append(
             f"{res['backend']:<14} {res['cp_size']:>3} {max(r['tokens'] for r in ranks):>12,} "
             f"{res['pad_tokens']:>8,} {res['token_balance']:>16.4f} "
             f"{(f'{wb:.4f}' if wb is not None else 'n/a'):>14} "
-            f"{(f'{100 * max(shares):.2f}%' if shares else 'n/a'):>10}"
+            f"{(f'{100 * max(shares):.2f}%' if shares else 'n/a'):>10} "
+            f"{(f'{max(known):,}' if known else 'n/a'):>13} "
+            f"{(f'{max(known) / mean_recv:.4f}' if known and mean_recv else 'n/a'):>14}"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,241 @@
+"""The locality placement: long units sliced over few ranks, everything else whole, balanced.
+
+:func:`solve` minimises the key rows the busiest rank receives subject to attention work
+max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank. It tries two constructions
+and keeps, of the balanced placements, the one whose busiest rank receives least:
+
+* *packing* (:mod:`cp_magi.locality.pack`): units by decreasing work onto the ranks, whole
+  where they fit, sliced graded head-tail where they must, no slice's rank above a bound
+  ``R`` on received rows; the shortest units and the free slots (*sand*, :data:`PACK_SAND` of
+  the tokens) then fill every rank exactly and pair moves level the work
+  (:mod:`cp_magi.locality.bins`). Feasibility is not monotone in ``R`` (a loose bound lets
+  slices take tails only), so a grid of :data:`PACK_GRID` bounds between the equal-share
+  bound and the longest unit is tried;
+* *anchor groups* (:mod:`cp_magi.locality.anchors`): every unit denser than the mean that
+  cannot share a rank whole gets the fewest ranks the material allows, its ranks form one
+  bin that stones (:mod:`cp_magi.locality.stones`) and sand fill, and its slices are then cut
+  to fit its ranks exactly (:mod:`cp_magi.locality.expand`), for each of :data:`ATTEMPTS`.
+
+The search ends early once the busiest rank is at the equal-share bound (causal: the holder
+of the longest unit's last row receives all of it it does not hold, so at least ``L - T``).
+When no construction balances, the dispatch solver's equal chunks
+(:func:`cp_magi.chunking.dispatch`, balanced whatever the documents, at its traffic) are the
+answer; the most balanced placement otherwise.
+
+Pure host code on integers, deterministic (stable sorts, index tie-breaks, no time limits):
+every rank solves alone and reaches the same placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import numpy as np
+
+from cp_core.backend_api import RankRuns
+from cp_magi.locality.anchors import Material, allocate
+from cp_magi.locality.bins import FREE, Bins, level, pour
+from cp_magi.locality.expand import expand_anchor
+from cp_magi.locality.slicing import Slice
+from cp_magi.locality.pack import pack
+from cp_magi.locality.stones import place_stones
+from cp_magi.locality.units import Part, Units
+
+#: Anchor groups: (share of the tolerance the slices may use, sand fraction).
+ATTEMPTS: tuple[tuple[float, float], ...] = ((0.5, 0.15), (0.5, 0.3), (0.0, 0.3), (-1.0, 0.5))
+#: Packing: the sand fractions, and the number of steps of the grid of bounds.
+PACK_SAND: tuple[float, ...] = (0.15, 0.3)
+PACK_GRID = 8
+
+Holding = dict[int, list[Part]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One solved placement.
+
+    Attributes:
+        runs: every rank's stream runs (ascending).
+        work: ``[cp]`` attention work of every rank (the kind model's count).
+        recv: ``[cp]`` key rows every rank receives (the kind model's count).
+        split_units: units not held whole by one rank.
+        tokens_per_rank: ``T``.
+        method: what found it: ``pack`` (rank-level packing), ``groups`` (an anchor's ranks
+            as one bin) or ``dispatch`` (the equal-chunk fallback).
+    """
+
+    runs: RankRuns
+    work: np.ndarray
+    recv: np.ndarray
+    split_units: int
+    tokens_per_rank: int
+    method: str = "pack"
+
+    @property
+    def balance(self) -> float:
+        """Work max/mean over the ranks (1.0 when there is no work)."""
+        mean = float(self.work.mean()) if self.work.size else 0.0
+        return float(self.work.max()) / mean if mean > 0 else 1.0
+
+
+def split_sand(units: Units, fraction: float, anchors: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``(sand, stones)``: the shortest non-anchor units up to ``fraction`` of all tokens
+    (counting the free slots as sand first), and the other non-anchor units."""
+    rest = np.setdiff1d(np.arange(units.lengths.size), anchors)
+    order = rest[np.lexsort((rest, units.lengths[rest]))]
+    free = int((units.free[:, 1] - units.free[:, 0]).sum()) if units.free.size else 0
+    want = fraction * units.stream_len - free
+    n = 0
+    if want > 0 and order.size:
+        n = min(order.size, int(np.searchsorted(np.cumsum(units.lengths[order]), want)) + 1)
+    return np.sort(order[:n]), np.sort(order[n:])
+
+
+def _work(units: Units, held: Holding) -> int:
+    return sum(units.model.work(int(units.lengths[u]), a, b)
+               for u, parts in held.items() if u != FREE for a, b in parts)
+
+
+def _recv(units: Units, held: Holding) -> int:
+    return sum(units.model.recv(int(units.lengths[u]), parts)
+               for u, parts in held.items() if u != FREE)
+
+
+def _runs(holdings: list[Holding], units: Units) -> RankRuns:
+    starts, lengths = [], []
+    for held in holdings:
+        runs = sorted((a if u == FREE else int(units.starts[u]) + a, b - a)
+                      for u, parts in held.items() for a, b in parts)
+        starts.append(np.asarray([s for s, _ in runs], np.int64))
+        lengths.append(np.asarray([n for _, n in runs], np.int64))
+    return RankRuns.build(starts, lengths)
+
+
+def _attempt(units: Units, cp: int, t: int, mean: float, tolerance: float, share: float,
+             fraction: float) -> list[Holding]:
+    slices, anchors = allocate(units, cp, t, mean, mean * (1 + share * tolerance))
+    groups: dict[int, list[Slice]] = {}
+    for s in slices:
+        groups.setdefault(s.unit, []).append(s)
+    keys = sorted(groups)
+    ranks_left = cp - sum(len(groups[u]) for u in keys)
+    if ranks_left < 0:
+        raise ValueError("more slices than ranks")
+    capacity = [len(groups[u]) * t - int(units.lengths[u]) for u in keys] + [t] * ranks_left
+    target = [len(groups[u]) * mean - float(units.work[u]) for u in keys] + [mean] * ranks_left
+    bins = Bins.empty(np.asarray(capacity, np.int64), np.asarray(target, np.float64))
+    sand, stones = split_sand(units, fraction, anchors)
+    free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
+    material = Material.of(np.concatenate([units.lengths[sand], free]),
+                           np.concatenate([units.work[sand], np.zeros(free.size, np.int64)]))
+    left = place_stones(bins, units, stones, tolerance * mean / 4, material.lightest)
+    poured = np.concatenate([sand, np.asarray(left, np.int64)])
+    pieces = [(int(u), 0, int(units.lengths[u])) for u in poured.tolist()]
+    pieces += [(FREE, int(a), int(b)) for a, b in units.free.tolist()]
+    pour(bins, units, pieces)
+    level(bins, units, poured, tolerance * mean / 2)
+    sand_set = set(poured.tolist())
+    holdings: list[Holding] = []
+    for i, u in enumerate(keys):
+        holdings += expand_anchor(units, u, groups[u], bins.parts[i], t, mean, sand_set)
+    holdings += [bins.parts[len(keys) + j] for j in range(ranks_left)]
+    return holdings
+
+
+def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
+    """Every rank's holdings (parts per unit) from its stream runs."""
+    ends = units.starts + units.lengths
+    out: list[Holding] = []
+    for starts, lengths in zip(runs.starts, runs.lengths):
+        held: Holding = {}
+        for a, n in zip(starts.tolist(), lengths.tolist()):
+            e = a + n
+            while a < e:
+                u = int(np.searchsorted(ends, a, side="right"))
+                if u < units.starts.size and units.starts[u] <= a:
+                    b = min(e, int(ends[u]))
+                    held.setdefault(u, []).append((a - int(units.starts[u]), b - int(units.starts[u])))
+                else:  # a free slot: up to the next unit or the run's end
+                    b = min(e, int(units.starts[u])) if u < units.starts.size else e
+                    held.setdefault(FREE, []).append((a, b))
+                a = b
+        out.append(held)
+    return out
+
+
+def _fallback(units: Units, cp: int, t: int) -> list[Holding]:
+    """Equal chunks dealt by the dispatch solver (:func:`cp_magi.chunking.dispatch`): balanced
+    whatever the documents, at the dispatch's traffic."""
+    from cp_magi.chunking import chunk_rank_runs, dispatch
+    from cp_magi.mask_builders import document_mask
+
+    model = units.model
+    spans = np.stack([units.starts, units.starts + units.lengths], axis=1)
+    kind = "causal" if model.graded else model.kind
+    rects = document_mask(spans, units.stream_len, attention=kind, window=model.window)
+    per_rank = next(d for d in range(8, 0, -1) if t % d == 0)
+    plan, assignment = dispatch(rects, cp, t // per_rank, per_rank)
+    return holdings_of_runs(units, chunk_rank_runs(plan, assignment.rank_chunks))
+
+
+def _packed(units: Units, cp: int, t: int, mean: float, tolerance: float, fraction: float,
+            bound: int) -> list[Holding]:
+    sand, members = split_sand(units, fraction, np.zeros(0, np.int64))
+    ranks, _, left = pack(units, members, cp, t, mean, mean * (1 + tolerance / 2), bound)
+    poured = np.concatenate([sand, np.asarray(left, np.int64)])
+    pieces = [(int(u), 0, int(units.lengths[u])) for u in poured.tolist()]
+    pieces += [(FREE, int(a), int(b)) for a, b in units.free.tolist()]
+    pour(ranks, units, pieces)
+    level(ranks, units, poured, tolerance * mean / 2)
+    return ranks.parts
+
+
+def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
+    """The placement of ``units`` on ``cp`` ranks (module docstring)."""
+    if units.stream_len % cp:
+        raise ValueError(f"stream of {units.stream_len} slots does not split over cp={cp}")
+    t = units.stream_len // cp
+    mean = units.total_work / cp
+    top = int(units.lengths.max()) if units.lengths.size else 0
+    floor = max(0, top - t)
+    tries: list[Callable[[], list[Holding]]] = []
+    for fraction in PACK_SAND:
+        for bound in sorted({floor + (top - floor) * i // PACK_GRID
+                             for i in range(PACK_GRID + 1)}):
+            tries.append(partial(_packed, units, cp, t, mean, tolerance, fraction, bound))
+    tries += [partial(_attempt, units, cp, t, mean, tolerance, share, fraction)
+              for share, fraction in ATTEMPTS]
+    # No layout with equal shares receives less than this (causal: the holder of a unit's
+    # last row receives every row of it that it does not hold): reaching it ends the search.
+    least = floor if units.model.graded else 0
+    best = None
+    for run in tries + [partial(_fallback, units, cp, t)]:
+        if best is not None and not best[0][0] and (run.func is _fallback
+                                                    or best[0][1] <= least):
+            break
+        try:
+            holdings = run()
+        except ValueError:  # more slices than ranks: nothing to place them on
+            continue
+        work = np.asarray([_work(units, h) for h in holdings], np.int64)
+        recv = np.asarray([_recv(units, h) for h in holdings], np.int64)
+        worst = float(work.max()) / mean if mean > 0 else 1.0
+        balanced = worst <= 1.0 + tolerance
+        key = (not balanced, float(recv.max()) if balanced else worst)
+        if best is None or key < best[0]:
+            method = {_packed: "pack", _attempt: "groups"}.get(run.func, "dispatch")
+            best = (key, holdings, work, recv, method)
+    assert best is not None
+    _, holdings, work, recv, method = best
+    owners = np.zeros(units.lengths.size, np.int64)
+    for held in holdings:
+        for u in held:
+            if u != FREE:
+                owners[u] += 1
+    return Placement(_runs(holdings, units), work, recv, int((owners > 1).sum()), t, method)
+
+
+__all__ = ["Placement", "solve", "split_sand", "ATTEMPTS"]
