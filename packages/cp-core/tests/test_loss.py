@@ -220,3 +220,25 @@ def test_allreduce_gradients_sums(pool, mesh_2d):
         assert res["err"] <= 1e-5
         # One flattened buffer (one dtype/device): one collective per mesh dimension.
         assert res["issued"] == (2 if mesh_2d else 1)
+
+
+def test_accumulation_with_the_steps_count_gives_the_one_step_mean() -> None:
+    """Two micro-batches, each backpropagated with the step's label count, give the gradient
+    of plain cross-entropy's token mean over both (a per-micro-batch mean does not)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7))
+    labels[0, :5] = -100  # micro-batch 0 has 2 label tokens, micro-batch 1 has 7
+    truth = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1),
+                                              ignore_index=-100)
+    (want,) = torch.autograd.grad(truth, logits)
+    n = int((labels != -100).sum())
+    step = sum(cp_cross_entropy(logits[i], labels[i], num_items=n) for i in range(2))
+    (got,) = torch.autograd.grad(step, logits)
+    torch.testing.assert_close(step, truth.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    each = sum(cp_cross_entropy(logits[i], labels[i]) for i in range(2))
+    (per_micro,) = torch.autograd.grad(each, logits)
+    assert (per_micro - want).abs().max() > 1e-3  # the teeth: each micro-batch's own mean
+    with pytest.raises(CPBatchError, match="num_items"):
+        cp_cross_entropy(logits[0], labels[0], num_items=2.5)

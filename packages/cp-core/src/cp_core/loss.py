@@ -106,7 +106,8 @@ def _world(group_or_mesh: Any) -> int:
 
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any = None, *,
                      ignore_index: int = -100, reduction_group: Any = None,
-                     grad_reduction: str = "sum") -> torch.Tensor:
+                     grad_reduction: str = "sum",
+                     num_items: int | torch.Tensor | None = None) -> torch.Tensor:
     """Token-mean cross-entropy over every rank of ``group`` (see the module docstring).
 
     Args:
@@ -124,6 +125,12 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any = No
             at their defaults, averaging over the ranks of ``reduction_group``, or of ``group``
             when it is None): the gradient is then scaled by that many ranks. The value does
             not change.
+        num_items: the step's label-token count, over every micro-batch of a gradient
+            accumulation step and every rank of ``reduction_group`` (sum
+            :func:`count_label_tokens` of each micro-batch's unsharded labels). When given it
+            is the denominator (no counting collective), so the micro-batches' losses, each
+            backpropagated, add up to the gradient of the one-step token mean; None: this
+            call's own count.
 
     Returns:
         A scalar whose value is ``sum over group of CE sums / count over reduction_group`` and
@@ -149,7 +156,13 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any = No
     local_sum = F.cross_entropy(flat, labels.reshape(-1).long(), ignore_index=ignore_index,
                                 reduction="sum")
     counted = group if reduction_group is None else reduction_group
-    count = count_label_tokens(labels, counted, ignore_index=ignore_index)
+    if num_items is None:
+        count = count_label_tokens(labels, counted, ignore_index=ignore_index)
+    else:
+        count = torch.as_tensor(num_items, device=local_sum.device)
+        if count.numel() != 1 or count.is_floating_point() or int(count) < 0:
+            raise CPBatchError(f"num_items must be a non-negative integer count of label "
+                               f"tokens, got {num_items!r}")
     # clamp: no label anywhere gives local_sum == 0 (its gradient 0) over 1, never 0/0.
     denom = count.clamp(min=1).to(cdt)
     total = _all_reduce_sum(local_sum.detach().clone(), group)
