@@ -83,7 +83,8 @@ def test_keyword_arguments_are_an_allow_list() -> None:
     bias = torch.zeros(1, 4, 3, 3)
     check_kwargs({"position_ids": torch.arange(3), "use_cache": False, "scaling": 0.5,
                   "output_attentions": True, "sliding_window": None, "s_aux": torch.zeros(4),
-                  "softcap": 30.0, "cu_seq_lens_q": None, "num_items_in_batch": 7}, "L")
+                  "softcap": 30.0, "cu_seq_lens_q": None, "num_items_in_batch": 7,
+                  "shift_labels": torch.zeros(1, 3)}, "L")
     for kwargs, words in [({"position_bias": bias}, "position bias"),
                           ({"alibi": bias}, "ALiBi"),
                           ({"indices": torch.zeros(3)}, "sparse attention indices"),

@@ -20,10 +20,12 @@ SERVED = frozenset({"dropout", "scaling", "is_causal", "sliding_window", "s_aux"
                     "softcap"})
 #: Arguments transformers threads through every attention call that do not change attention:
 #: positions and caches (the plan has the global positions; a cache is refused by the shape
-#: check), output switches, the loss normaliser.
+#: check), output switches, and the loss's arguments (a model hands the same keyword
+#: arguments to its layers and to its loss function).
 UNCHANGED = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
-    "output_router_logits", "return_dict", "num_items_in_batch", "deterministic",
+    "output_router_logits", "return_dict", "deterministic", "num_items_in_batch",
+    "shift_labels", "ignore_index",
 })
 #: Arguments known by name, refused with what they are.
 REFUSED = {
