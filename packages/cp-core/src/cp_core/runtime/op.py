@@ -50,6 +50,7 @@ import torch
 from torch._C import DispatchKey
 
 from cp_core.errors import CPAttentionError
+from cp_core.runtime.door import autocast_inputs
 from cp_core.runtime.op_handles import binding_of, current_handle, module_key, module_of
 
 
@@ -302,6 +303,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step:
     when the router leaves it untouched (outside the step's module scope). The op keeps a
     graph for backward only when this call is differentiated.
     """
+    # Under autocast, q/k/v as scaled_dot_product_attention would see them (the eager
+    # transports cast the same way): one dtype, the autocast one.
+    query, key, value = autocast_inputs(query, key, value)
     inputs = (query, key, value) + ((sinks,) if sinks is not None else ())
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     causal = bool(is_causal)
