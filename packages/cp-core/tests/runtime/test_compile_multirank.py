@@ -17,6 +17,9 @@ each of three packed batches (other documents, the same local length) under each
   document mask written pair by pair (:func:`cp_core.testing.truth.truth_step`), no CP code;
 * with Hugging Face's activation checkpointing compiled in, the backward run after the step's
   context closed and inside the next batch's context still equals the truth;
+* a model that calls ``F.scaled_dot_product_attention`` itself (the reference decoder)
+  compiles with ``fullgraph=True`` too: the intercepted call is the same op; it equals the
+  truth;
 * the op called eagerly: torch's own registration checks (``torch.library.opcheck``: schema,
   autograd registration, fake rule), its result against the eager transport (plain, with
   attention sinks, with soft-capping), and one backward per forward, refused by name a second
@@ -184,13 +187,61 @@ def _checkpointed(rank: int, world: int) -> dict[str, Any] | None:
     return out if rank == 0 else None
 
 
+def _reference_decoder() -> torch.nn.Module:
+    from cp_core.testing.reference_model import ReferenceDecoder
+
+    return ReferenceDecoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, intermediate_size=64, seed=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_truth(i: int) -> tuple[float, dict[str, torch.Tensor]]:
+    from cp_core.testing.truth import truth_step
+
+    return truth_step(_reference_decoder(), _batch(i))
+
+
+def _plain_sdpa(rank: int, world: int) -> dict[str, Any] | None:
+    """A model calling F.scaled_dot_product_attention itself (the reference decoder), compiled
+    with fullgraph=True: the intercepted call is the same custom op."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cp_core.grads import allreduce_gradients
+    from cp_core.loss import cp_cross_entropy
+    from cp_core.registry import build_sharder
+
+    torch._dynamo.reset()
+    group = torch.distributed.group.WORLD
+    model = _reference_decoder()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    out: dict[str, Any] = {}
+    for transport in ("p2p", "ulysses"):
+        sharder = build_sharder({"backend": "round_robin", "size": world,
+                                 "transport": transport}, group)
+        for i in (0, 1):
+            ctx, local = sharder.shard(_batch(i))
+            model.zero_grad(set_to_none=True)
+            with ctx():
+                logits = compiled(local["input_ids"], position_ids=local["position_ids"])
+                loss = cp_cross_entropy(logits, local["labels"], group)
+            loss.backward()
+            allreduce_gradients(model, group)
+            out[f"{transport}/{i}"] = (
+                float(loss.detach()),
+                {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    out["graphs"] = counter.frame_count
+    return out if rank == 0 else None
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
     with RankPool(2) as pool:
         steps = pool.run(_steps, timeout=600)[0]
         op_checks = pool.run(_op_checks)[0]
         checkpointed = pool.run(_checkpointed, timeout=600)[0]
-    return {"steps": steps, "op": op_checks, "checkpointed": checkpointed}
+        plain = pool.run(_plain_sdpa, timeout=600)[0]
+    return {"steps": steps, "op": op_checks, "checkpointed": checkpointed, "plain": plain}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -254,6 +305,16 @@ def test_checkpointed_backward_under_another_context_equals_truth(results: dict[
     assert results["checkpointed"]["graphs"] == 1
 
 
+@pytest.mark.parametrize("case", ["p2p/0", "p2p/1", "ulysses/0", "ulysses/1"])
+def test_plain_sdpa_model_compiled_equals_truth(results: dict[str, Any], case: str) -> None:
+    loss_t, grads_t = _plain_truth(int(case[-1]))
+    loss_c, grads_c = results["plain"][case]
+    assert abs(loss_c - loss_t) <= 1e-5 * abs(loss_t)
+    for name, g_t in grads_t.items():
+        assert _rel(grads_c[name], g_t) <= 1e-4, name
+    assert results["plain"]["graphs"] == 1  # no break, no recompilation
+
+
 def _op_checks(rank: int, world: int) -> dict[str, Any] | None:
     """The op called eagerly inside a step: opcheck, its result against the eager transport
     (plain, with attention sinks, with soft-capping), and a second backward through one
@@ -277,7 +338,8 @@ def _op_checks(rank: int, world: int) -> dict[str, Any] | None:
     with ctx():
         step = op.current_handle()
         assert step is not None
-        args = (q, k, v, None, step, True, None, None, None, True, 0, True, 0.0, True)
+        args = (q, k, v, None, None, step, False, True, None, None, None, True, 0, True, 0.0,
+                True)
         # test_aot_dispatch_dynamic compares two calls' outputs, and the token output is a
         # fresh id per call by design; compiling through AOT is what _steps checks.
         found["opcheck"] = torch.library.opcheck(

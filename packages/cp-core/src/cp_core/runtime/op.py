@@ -1,18 +1,16 @@
 """CP attention as a registered custom op, so ``torch.compile`` sees one opaque node per call.
 
 Under ``torch.compile`` the transports cannot be traced: they talk to other ranks, read the
-step's host plan and keep Python state between forward and backward. Traced code (Hugging
-Face's ``"cp"`` attention function, :mod:`cp_core.hf`) therefore calls :func:`attention`, which
-hands the call to the custom op ``cp_core::attention_<digest>`` (the digest of this file, see
-:func:`_source_digest`):
+step's host plan and keep Python state between forward and backward. Traced code calls
+:func:`attention` (Hugging Face's ``"cp"`` attention function, :mod:`cp_core.hf`) or
+:func:`sdpa` (an intercepted ``F.scaled_dot_product_attention`` call,
+:mod:`cp_core.runtime.intercept`), which hand the call to the custom op
+``cp_core::attention_<digest>`` (the digest of this file, see :func:`_source_digest`):
 
 * **The step is an input, not a constant.** The op gets the step's handle tensor and the
   calling module's key (:mod:`cp_core.runtime.op_handles`), so the graph guards on neither the
-  documents nor the transport. Inside the op the call goes the eager way: the router
-  (:func:`~cp_core.runtime.route.route_call`: out of the step's module scope it runs untouched,
-  not the step's self-attention it is refused), the binding of checkpointed regions around
-  compiled code (:func:`~cp_core.runtime.recompute.bind_region`), then the layer's kind and the
-  plan's transport, sinks and soft-capping included.
+  documents nor the transport. At run time it routes, refuses or serves the call as the eager
+  path does (:func:`cp_core.runtime.op_serve.serve`).
 * **Fake-tensor rule.** :func:`_attention_fake` gives the output's shape ``[B, Hq, n, Dv]``
   from the inputs' alone, so tracing never reaches the plan or another rank.
 * **Autograd.** The op runs the transport with autograd recording, on private copies of q, k,
@@ -25,8 +23,9 @@ hands the call to the custom op ``cp_core::attention_<digest>`` (the digest of t
   memory the compiled code owns and may reuse.
 
 Both ops return contiguous tensors in q's dtype (the sinks' gradient in fp32), as their fake
-rules say. A call whose gradient is not needed (``no_grad``, inputs without
-``requires_grad``, decided when tracing) keeps nothing.
+rules say; under autocast q, k, v are cast first as ``scaled_dot_product_attention`` would. A
+call whose gradient is not needed (``no_grad``, inputs without ``requires_grad``, decided when
+tracing) keeps nothing.
 
 Not checked here: :func:`~cp_core.runtime.recompute.check_recompute`. A call of the op inside
 backward is the compiler's own recomputation of a checkpointed region, served with the handle
@@ -51,7 +50,8 @@ from torch._C import DispatchKey
 
 from cp_core.errors import CPAttentionError
 from cp_core.runtime.door import autocast_inputs
-from cp_core.runtime.op_handles import binding_of, current_handle, module_key, module_of
+from cp_core.runtime.op_handles import current_handle, module_key
+from cp_core.runtime.op_serve import serve
 
 
 def _source_digest() -> str:
@@ -106,77 +106,20 @@ def _recording() -> Iterator[None]:
         yield
 
 
-def _untouched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-               causal: bool, scale: float | None, softcap: float | None, enable_gqa: bool,
-               dropout_p: float) -> torch.Tensor:
-    """What the eager path runs for a call outside the step's scope: sdpa's attention with
-    no mask (none is built inside a step), or cp-core's kernel for sinks or soft-capping."""
-    from cp_core.runtime.local_attention import local_attention
-
-    if sinks is None and not softcap:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=enable_gqa)
-    return local_attention(q, k, v, None, causal, scale, sinks=sinks, softcap=softcap)
-
-
-def _serve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-           handle: torch.Tensor, is_causal: bool, sliding_window: int | None,
-           scale: float | None, softcap: float | None, enable_gqa: bool, module: int,
-           untouched_causal: bool, dropout_p: float) -> torch.Tensor:
-    """One call, the eager way (see the module docstring)."""
-    from cp_core.plan.kinds import plan_for_kind, reconcile_kind
-    from cp_core.runtime.hf_layer import layer_name, model_layer_kind
-    from cp_core.runtime.hf_model import check_model_once, global_temperature, \
-        note_attention_call
-    from cp_core.runtime.intercept import serve_call
-    from cp_core.runtime.recompute import bind_region
-    from cp_core.runtime.route import route_call
-
-    binding = binding_of(handle)
-    caller = module_of(module)
-    served = route_call(binding, q, k, caller)
-    if dropout_p > 0 and (served or sinks is not None or softcap):
-        # Hugging Face passes the dropout only in training; sdpa alone can apply it.
-        layer = type(caller).__name__ if caller is not None else "an attention layer"
-        raise CPAttentionError(
-            f"{layer} has attention dropout {dropout_p} in training; set the config's "
-            "attention_dropout to 0 (the CP runtime computes exact attention)")
-    if not served:
-        return _untouched(q, k, v, sinks, untouched_causal, scale, softcap, enable_gqa,
-                          dropout_p)
-    bind_region(binding)
-    plan = binding.plan
-    # The layer's kind from the model, as on the eager path (cp_core.hf): a chunked layer's
-    # call carries no chunk size, so the call alone cannot say it.
-    if caller is not None and getattr(caller, "config", None) is not None:
-        layer = layer_name(caller)
-        note_attention_call(plan)
-        check_model_once(plan, caller)
-        model = model_layer_kind(caller)
-    else:  # called without a Hugging Face layer: the step's own kind is the layer's
-        layer = "the CP attention op"
-        model = (plan.kind, getattr(plan.mask, "window", None), getattr(plan.mask, "chunk", None))
-    kind, window, chunk = reconcile_kind(model, is_causal, sliding_window, layer)
-    layer_plan = plan_for_kind(plan, kind, window, chunk)
-    if caller is not None:
-        q = global_temperature(caller, q, layer_plan)
-    return serve_call(layer_plan, (q, k, v), {
-        "is_causal": kind != "bidirectional", "scale": scale, "enable_gqa": enable_gqa},
-        sinks=sinks, softcap=softcap)
-
-
 @torch.library.custom_op(_OP, mutates_args=())
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  sinks: torch.Tensor | None, step: torch.Tensor, is_causal: bool,
-                  sliding_window: int | None, scale: float | None, softcap: float | None,
-                  enable_gqa: bool, module: int, untouched_causal: bool, dropout_p: float,
-                  keep_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Hq, n, Dv], token)``: this rank's attention of one call under ``step``."""
-    args = (step, is_causal, sliding_window, scale, softcap, enable_gqa, module,
-            untouched_causal, dropout_p)
+                  sinks: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                  step: torch.Tensor, sdpa: bool, is_causal: bool, sliding_window: int | None,
+                  scale: float | None, softcap: float | None, enable_gqa: bool, module: int,
+                  untouched_causal: bool, dropout_p: float, keep_graph: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, n, Dv], token)``: this rank's attention of one call under ``step``
+    (:func:`cp_core.runtime.op_serve.serve`)."""
+    args = (attn_mask, step, sdpa, is_causal, sliding_window, scale, softcap, enable_gqa,
+            module, untouched_causal, dropout_p)
     if not keep_graph:
         with torch.no_grad():
-            out = _serve(query, key, value, sinks, *args)
+            out = serve(query, key, value, sinks, *args)
         return (_unaliased([out.to(query.dtype).contiguous()], (query, key, value))[0],
                 torch.zeros((), dtype=torch.int64))
     # The kept graph holds private copies. Compiled code owns the op's inputs and outputs and
@@ -186,7 +129,7 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if sinks is not None:
         leaves.append(sinks.detach().clone().requires_grad_())
     with _recording():
-        out = _serve(*leaves[:3], leaves[3] if sinks is not None else None, *args)
+        out = serve(*leaves[:3], leaves[3] if sinks is not None else None, *args)
     token_value = next(_next_token)
     token = torch.tensor(token_value, dtype=torch.int64)
     _kept[token_value] = _Kept(tuple(leaves), out)
@@ -199,7 +142,8 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 @_attention_op.register_fake
 def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    sinks: torch.Tensor | None, step: torch.Tensor, is_causal: bool,
+                    sinks: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                    step: torch.Tensor, sdpa: bool, is_causal: bool,
                     sliding_window: int | None, scale: float | None, softcap: float | None,
                     enable_gqa: bool, module: int, untouched_causal: bool, dropout_p: float,
                     keep_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +226,7 @@ def _backward(ctx: Any, grad_out: torch.Tensor, _grad_token: Any) -> tuple[Any, 
     dq, dk, dv, dsinks = _attention_backward_op(grad_out.contiguous(), token, ctx.kv_heads,
                                                 ctx.qk_dim, ctx.sink_heads)
     dsinks = dsinks.to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
-    return (dq, dk, dv, dsinks) + (None,) * 10
+    return (dq, dk, dv, dsinks) + (None,) * 12
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -310,11 +254,40 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step:
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     causal = bool(is_causal)
     out, _token = _attention_op(
-        query, key, value, sinks, step, causal, sliding_window,
+        query, key, value, sinks, None, step, False, causal, sliding_window,
         None if scale is None else float(scale), None if not softcap else float(softcap),
         bool(enable_gqa), module_key(module),
         causal if untouched_causal is None else bool(untouched_causal), float(dropout_p), keep)
     return out
 
 
-__all__ = ["attention", "current_handle"]
+#: ``scaled_dot_product_attention``'s arguments after q, k, v: positional, then keyword-only.
+_SDPA_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_SDPA_KEYWORD = ("scale", "enable_gqa")
+
+
+def sdpa(step: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """An intercepted ``scaled_dot_product_attention(*args, **kwargs)`` call through the
+    custom op; what traced code calls in place of the eager interception. The door checks the
+    call (mask, kind, dropout, shapes) when it runs, as in eager."""
+    if len(args) > len(_SDPA_POSITIONAL):
+        raise TypeError(f"scaled_dot_product_attention takes at most "
+                        f"{len(_SDPA_POSITIONAL)} positional arguments ({len(args)} given)")
+    call = dict(zip(_SDPA_POSITIONAL, args))
+    for name, value in kwargs.items():
+        if name in call or name not in _SDPA_POSITIONAL + _SDPA_KEYWORD:
+            raise TypeError(f"scaled_dot_product_attention got an unexpected or repeated "
+                            f"argument {name!r}")
+        call[name] = value
+    query, key, value = autocast_inputs(call["query"], call["key"], call["value"])
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    causal = bool(call.get("is_causal", False))
+    scale = call.get("scale")
+    out, _token = _attention_op(
+        query, key, value, None, call.get("attn_mask"), step, True, causal, None,
+        None if scale is None else float(scale), None, bool(call.get("enable_gqa", False)), 0,
+        causal, float(call.get("dropout_p", 0.0)), keep)
+    return out
+
+
+__all__ = ["attention", "current_handle", "sdpa"]
