@@ -69,19 +69,9 @@ class ShardOptions:
     @classmethod
     def from_config(cls, cfg: Any, tp_mesh: Any = None, **overrides: Any) -> "ShardOptions":
         """The options of a validated backend config (:class:`~cp_core.config.CPBackendConfig`)."""
-        values: dict[str, Any] = {
-            "padding_token_id": cfg.padding_token_id,
-            "pad_multiple": cfg.pad_multiple,
-            "block_size": cfg.block_size,
-            "sequence_parallel": cfg.sequence_parallel,
-            "tp_size": cp_size(tp_mesh) if tp_mesh is not None else 1,
-            "attention": cfg.attention,
-            "window": cfg.window,
-            "chunk": cfg.chunk,
-            "transport_options": TransportOptions(
-                block_budget_bytes=int(cfg.attn_block_budget_mb * 2**20),
-                regather_kv=cfg.attn_regather_kv, transport=cfg.transport),
-        }
+        # The config's own shard keywords (one place reads them), plus its pad token.
+        values: dict[str, Any] = {**cfg.common_shard_kwargs(tp_mesh),
+                                  "padding_token_id": cfg.padding_token_id}
         values.update(overrides)
         return cls(**values)
 
