@@ -26,10 +26,8 @@ from cp_core.backend_api import (
     activate_plan,
     blocked_attention,
     call_transport,
-    check_local_shapes,
     fused_attention,
     fused_schedule,
-    resolve_causal,
 )
 
 
@@ -107,7 +105,8 @@ def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     The route comes from the active state when it belongs to ``plan``, else from the
     :class:`RoutedTransport` the blockdiag sharder put on ``plan.transport`` (a plan
     activated without the blockdiag context). ``sinks`` (``[Hq]`` sink logits) and
-    ``softcap`` (logit soft-cap) are served by cp-core's kernels after the exchange.
+    ``softcap`` (logit soft-cap) are served by cp-core's kernels after the exchange. The call
+    arrives checked by cp-core's door (``call_transport``), before any exchange.
     """
     state = _states.top()
     if state is None or state.plan is not plan:
@@ -117,9 +116,6 @@ def blockdiag_transport(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
                 "inside the ctx_factory() returned by the blockdiag sharder"
             )
         state = BlockDiagState(plan, plan.transport.route)
-    # Checks first, on every rank alike: nothing has been exchanged yet.
-    resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-    check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
     return _local_attention(q, k, v, state, scale, sinks, softcap)
 
 
@@ -167,13 +163,11 @@ def cp_blockdiag_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             "cp_blockdiag_sdpa needs an active blockdiag step: call it inside the ctx_factory() "
             "returned by the blockdiag sharder"
         )
-    if not isinstance(state.plan.transport, RoutedTransport):
-        return blockdiag_transport(q, k, v, state.plan, attn_mask=attn_mask,
-                                   dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                   enable_gqa=enable_gqa, sinks=sinks, softcap=softcap)
+    routed = isinstance(state.plan.transport, RoutedTransport)
     return call_transport(state.plan, (q, k, v), {
         "attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal,
-        "scale": scale, "enable_gqa": enable_gqa}, sinks=sinks, softcap=softcap)
+        "scale": scale, "enable_gqa": enable_gqa}, sinks=sinks, softcap=softcap,
+        transport=None if routed else blockdiag_transport)
 
 
 __all__ = [

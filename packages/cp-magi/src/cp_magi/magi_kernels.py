@@ -47,10 +47,8 @@ from cp_core.backend_api import (
     CPAttentionError,
     CPConfigError,
     allgather_sdpa,
-    check_local_shapes,
     gather_kv,
     index_runs,
-    resolve_causal,
 )
 from cp_magi.mask import BI_CAUSAL, CAUSAL, INV_CAUSAL, MASK_TYPES, AttnRectangles
 
@@ -289,9 +287,7 @@ class MagiKernelTransport:
             return allgather_sdpa(q, k, v, plan, attn_mask=attn_mask, dropout_p=dropout_p,
                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                   sinks=sinks, softcap=softcap)
-        # Same SDPA-argument rules as the cp-core transport (kind, dropout, explicit mask).
-        resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-        check_local_shapes(q, k, v, plan, enable_gqa)
+        # The door (call_transport) has checked the call: kind, dropout, mask, shapes.
         k_all, v_all = gather_kv(k, v, plan)
         kernel = self.kernel()
         assert kernel is not None

@@ -1,8 +1,9 @@
-"""The door of every CP-served SDPA call: argument binding, transport choice, shared checks.
+"""The door of every CP-served SDPA call: argument binding, the call's checks, transport choice.
 
-:func:`call_transport` binds one ``scaled_dot_product_attention(*args, **kwargs)`` call and
-hands it to the plan's transport (:func:`select_transport`). The checks every transport shares
-live here too:
+:func:`call_transport` binds one ``scaled_dot_product_attention(*args, **kwargs)`` call,
+checks it once and hands it to the plan's transport (:func:`select_transport`). A transport
+never checks the call again: it receives the checked, resolved arguments (see
+:func:`call_transport`). The checks:
 
 * :func:`resolve_causal`: the SDPA call says which attention the model wants; a transport
   serves it only when it agrees with the sharder's configured kind.
@@ -48,7 +49,7 @@ import torch
 
 from cp_core.errors import CPAttentionError, CPConfigError
 from cp_core.plan.record import AttentionPlan
-from cp_core.runtime.kernels.amp import autocast_enabled, autocast_off
+from cp_core.runtime.kernels.amp import autocast_inputs, autocast_off
 
 # An additive mask entry at or below this is "masked": exp(-1e4) underflows to exactly 0 in
 # fp16, bf16, fp32 and fp64, so such an entry removes the key just like -inf does.
@@ -120,9 +121,21 @@ def _one_kind_per_step(plan: AttentionPlan, n: int, form: str) -> None:
         )
 
 
+def _checked_at_door(q: torch.Tensor) -> bool:
+    """Whether ``q`` is the query of the call the door is serving on this thread (checked)."""
+    ref = getattr(_cache, "door_query", None)
+    return ref is not None and ref() is q
+
+
 def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor | None,
-                   dropout_p: float, is_causal: bool) -> None:
-    """Raise :class:`CPAttentionError` unless the SDPA call agrees with the plan's kind."""
+                   dropout_p: float, is_causal: bool) -> bool:
+    """Raise :class:`CPAttentionError` unless the SDPA call agrees with the plan's kind;
+    return whether the call is causal (an accepted local mask counts as causal).
+
+    The door runs this once per call. A transport that still calls it on the arguments the
+    door handed it gets the same answer and records nothing twice."""
+    if _checked_at_door(q):
+        return bool(is_causal)
     if dropout_p and dropout_p > 0:
         raise CPAttentionError(
             f"scaled_dot_product_attention(dropout_p={dropout_p}) is not supported by the CP "
@@ -179,6 +192,7 @@ def resolve_causal(plan: AttentionPlan, q: torch.Tensor, attn_mask: torch.Tensor
             "and its other attention runs untouched. Only when the sharded model itself "
             "attends in both directions, set cp.attention=bidirectional"
         )
+    return bool(is_causal)
 
 
 def check_local_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
@@ -186,6 +200,8 @@ def check_local_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
     """Raise :class:`CPAttentionError` unless q/k/v are ``[B, H, n_local, D]`` for this plan
     (V's head size may differ from q/k's), of one dtype and device, and ``sinks`` (when
     given) holds one logit per query head."""
+    if _checked_at_door(q):
+        return
     n_local = int(plan.q_index.numel())
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.dim() != 4:
@@ -295,31 +311,24 @@ def _accepts(transport: Callable[..., Any], name: str) -> bool:
                                  for p in params.values())
 
 
-def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as ``scaled_dot_product_attention`` sees them under autocast: fp16, bf16 and
-    fp32 tensors cast to the autocast dtype of their device type (fp64 left alone); unchanged
-    when autocast is off."""
-    device = q.device.type
-    if not autocast_enabled(device):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-        return t.to(dtype) if ok else t
-
-    return cast(q), cast(k), cast(v)
-
-
 def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                   sinks: torch.Tensor | None = None, softcap: float | None = None
-                   ) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, softcap: float | None = None,
+                   transport: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Serve one ``scaled_dot_product_attention(*args, **kwargs)`` call with ``plan``.
 
     ``sinks`` (``[Hq]`` sink logits) and ``softcap`` (logit soft-cap) are the attention
     features beyond SDPA's arguments that an attention function may pass (see the module
-    docstring); they reach the transport as keyword arguments of the same names."""
+    docstring); they reach the transport as keyword arguments of the same names.
+    ``transport``: serve with this one instead of :func:`select_transport`'s.
+
+    The call is checked here, once, on every rank before any communication
+    (:func:`resolve_causal`, :func:`check_local_shapes`, :func:`check_softcap`), and the
+    transport receives ``transport(q, k, v, plan, *, is_causal=<resolved>)`` plus ``scale=``
+    and ``enable_gqa=`` when the call gave them, and ``sinks=`` / ``softcap=`` (a float > 0)
+    when the call uses them: q/k/v already cast under autocast, of one dtype and device,
+    ``[B, H, n_local, D]``; ``is_causal`` True for every kind but ``bidirectional``. It never
+    receives ``attn_mask`` or ``dropout_p``: an accepted local causal or window mask is the
+    plan's mask, and dropout is refused, so their defaults (None, 0.0) hold."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa")
     # scale and enable_gqa are keyword-only in torch's signature.
@@ -342,7 +351,8 @@ def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str,
     if missing:
         raise CPAttentionError(f"scaled_dot_product_attention is missing {missing}")
     q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
-    transport = select_transport(plan)
+    if transport is None:
+        transport = select_transport(plan)
     extras = {"sinks": sinks, "softcap": check_softcap(softcap)}
     for name in _EXTRAS:
         if extras[name] is None:
@@ -355,10 +365,26 @@ def call_transport(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str,
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise CPAttentionError("scaled_dot_product_attention needs query, key and value tensors")
     q, k, v = autocast_inputs(q, k, v)
-    # The transport's kernels choose their own precision (fp32 accumulation for half inputs):
-    # autocast, if on, must not recast their internal matmuls.
-    with autocast_off(q.device.type):
-        return transport(q, k, v, plan, **bound, **extras)
+    # The transport's kernels choose their own precision (fp32 accumulation for half
+    # inputs): autocast, if on, must not recast their internal matmuls.
+    kernels_precision = autocast_off(q.device.type)
+    # Every check that can fail runs here, on every rank alike, before the transport sends
+    # anything: a rank that raised later would leave its peers waiting.
+    is_causal = resolve_causal(plan, q, bound.get("attn_mask"), bound.get("dropout_p", 0.0),
+                               bool(bound.get("is_causal", False)))
+    enable_gqa = bool(bound.get("enable_gqa", False))
+    check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
+    # What the checks resolved: the plan's mask is the mask (no attn_mask, no dropout: the
+    # transport's defaults None and 0.0), causal or not; scale and enable_gqa as given.
+    resolved = {k: bound[k] for k in ("scale", "enable_gqa") if k in bound}
+    resolved["is_causal"] = is_causal
+    was = getattr(_cache, "door_query", None)
+    _cache.door_query = weakref.ref(q)
+    try:
+        with kernels_precision:
+            return transport(q, k, v, plan, **resolved, **extras)
+    finally:
+        _cache.door_query = was
 
 
 __all__ = ["resolve_causal", "check_local_shapes", "check_sinks", "check_softcap",

@@ -5,6 +5,17 @@ A transport serves one ``scaled_dot_product_attention`` call of a CP step:
 also have ``prepare(plan)``, called when the sharder's context is entered (before the
 forward), to build its host-side schedule so that nothing is planned inside the model.
 
+The door (:func:`cp_core.runtime.door.call_transport`) checks every call once, on every rank
+before any communication, and a transport receives the checked, resolved arguments: q/k/v
+``[B, H, n_local, D]`` of one dtype and device (already cast under autocast; autocast is off
+during the call; GQA heads divide, V's head size may differ); ``is_causal``, always, True for
+every plan kind but ``bidirectional``; ``scale`` and ``enable_gqa`` when the call gave them;
+``sinks=`` (``[Hq]`` logits) and ``softcap=`` (a float > 0) only when the call uses them and
+the transport declares them. ``attn_mask`` and ``dropout_p`` are never passed (their
+defaults None and 0.0 hold): the plan's mask is the mask (an accepted local causal or
+sliding-window mask is resolved into it) and dropout is refused. A transport need not (and
+cp-core's do not) check again.
+
 cp-core registers ``allgather`` (the reference: every rank's K/V, blocked kernel), ``p2p``
 (the default: needed-only K/V peer by peer, fused kernels) and ``ulysses`` (all-to-all to
 head parallelism). Third-party packages add theirs under the same group;
@@ -42,7 +53,8 @@ CALL_KEYWORDS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 def check_transport(name: str, ep: md.EntryPoint, obj: Any) -> Callable[..., Any]:
     """The transport protocol, checked when a transport is loaded:
     ``transport(q, k, v, plan, *, attn_mask, dropout_p, is_causal, scale, enable_gqa)``
-    (more keywords, or ``**kwargs``, are fine)."""
+    (more keywords, or ``**kwargs``, are fine), called with arguments the door has already
+    checked and resolved (see the module docstring)."""
     if not callable(obj):
         raise CPConfigError(f"attention transport {name!r} ({ep.value}) is not callable")
     try:

@@ -2,7 +2,7 @@
 
 The kernels choose their own precision (scores and accumulators in fp32 for half inputs);
 an enclosing ``torch.autocast`` would recast their internal matmuls to the lower precision.
-The door casts the inputs as SDPA would (:func:`cp_core.runtime.door.autocast_inputs`) and
+The door casts the inputs as SDPA would (:func:`autocast_inputs`) and
 the forward and backward of every CP attention function run under :func:`autocast_off`.
 """
 
@@ -29,4 +29,21 @@ def autocast_off(device_type: str) -> ContextManager[object]:
     return torch.autocast(device_type, enabled=False)
 
 
-__all__ = ["autocast_enabled", "autocast_off"]
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as ``scaled_dot_product_attention`` sees them under autocast: fp16, bf16 and
+    fp32 tensors cast to the autocast dtype of their device type (fp64 left alone); unchanged
+    when autocast is off."""
+    device = q.device.type
+    if not autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if ok else t
+
+    return cast(q), cast(k), cast(v)
+
+
+__all__ = ["autocast_enabled", "autocast_off", "autocast_inputs"]

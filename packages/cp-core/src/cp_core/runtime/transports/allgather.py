@@ -5,7 +5,7 @@ backward sums each rank's K/V gradient contributions back to the owner), names t
 rows by the layout's global indices, and runs :func:`blocked_attention` on its local queries
 with the plan's mask. It serves every layout, on any device.
 
-The call's checks are the door's (:mod:`cp_core.runtime.door`).
+The call arrives checked by the door (:func:`cp_core.runtime.door.call_transport`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cp_core.runtime.kernels.blocked import (
 from cp_core.runtime.kernels.sinks import sink_grad
 from cp_core.runtime.kernels.amp import autocast_off
 from cp_core.plan.record import AttentionPlan
-from cp_core.runtime.door import check_local_shapes, resolve_causal
+from cp_core.errors import CPAttentionError
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,12 +52,18 @@ def allgather_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     """``scaled_dot_product_attention`` over a CP layout: gather K/V, mask by global index.
 
     ``q``, ``k``, ``v`` are this rank's ``[B, H, n_local, D]`` projections of its local
-    tokens (local order). Returns ``[B, Hq, n_local, Dv]``; see the door for which
-    masks and kinds are served (:mod:`cp_core.runtime.door`). ``sinks`` (``[Hq]`` logits,
-    gradient returned) and ``softcap`` are served by the blocked kernel.
+    tokens (local order), checked by the door (which masks and kinds are served:
+    :mod:`cp_core.runtime.door`). Returns ``[B, Hq, n_local, Dv]``. ``sinks`` (``[Hq]`` logits,
+    gradient returned) and ``softcap`` are served by the blocked kernel. The plan's mask is
+    the mask: an ``attn_mask`` or dropout (which only a caller bypassing the door can pass,
+    this function being public) is refused rather than ignored.
     """
-    resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-    check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
+    if attn_mask is not None or dropout_p:
+        raise CPAttentionError(
+            "allgather_sdpa serves the plan's mask without dropout; got "
+            f"attn_mask={'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}."
+            " Call scaled_dot_product_attention inside the sharder's context instead: its door"
+            " accepts the local causal mask as the plan's")
     k_index = plan.rank_indices.reshape(-1).to(plan.q_index.device)
     budget = int(plan.options.block_budget_bytes or DEFAULT_BLOCK_BUDGET_BYTES)
     if plan.cp_size > 1 and plan.options.regather_kv:

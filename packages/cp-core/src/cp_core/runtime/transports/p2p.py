@@ -1,6 +1,7 @@
 """The ``p2p`` transport (the default): needed-only K/V peer by peer, fused kernel pieces.
 
-This is its SDPA entry: it checks the call, then runs :mod:`cp_core.runtime.p2p_ring`.
+This is its SDPA entry: it runs :mod:`cp_core.runtime.p2p_ring` on the call the door
+(:func:`cp_core.runtime.door.call_transport`) has checked.
 
 Plans whose mask cannot describe itself as band rectangles (a plugin's own ``TokenMask``
 without ``attention_rects``) are served by the ``allgather`` reference transport instead, with
@@ -18,7 +19,6 @@ from cp_core.plan.schedule import schedule_for
 from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.plan.record import AttentionPlan
 from cp_core.runtime.transports.allgather import allgather_sdpa
-from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ class P2PTransport:
             return allgather_sdpa(q, k, v, plan, attn_mask=attn_mask, dropout_p=dropout_p,
                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                   sinks=sinks, softcap=softcap)
-        # Every check that can fail runs here, on every rank alike, before the ring posts
-        # its first send: a rank that raised later would leave its peers waiting.
-        resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-        check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
         kernel: Any = plan.options.kernel
         return p2p_attention(q, k, v, plan, scale, kernel, sinks=sinks, softcap=softcap)
 

@@ -32,7 +32,6 @@ from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.runtime.transports.p2p import P2PTransport
 from cp_core.placement.runs import RankRuns
 from cp_core.plan.record import AttentionPlan
-from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.errors import CPAttentionError
 
 
@@ -125,8 +124,6 @@ class UlyssesTransport:
         ``sinks`` (``[Hq]``): each rank serves its block of query heads, so it takes that
         block's sink logits; the sink's gradient is this rank's heads' (summed over the
         group, the whole gradient). ``softcap``: the logit soft-cap."""
-        resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-        check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
         size = plan.cp_size
         whole = _global_plan(plan)
         # The scale of the call's own head size, fixed before any padding or reshaping.
