@@ -5,9 +5,10 @@ by their global stream positions (``q_index``, ``k_index``); a :class:`TokenMask
 pairs may attend, one block at a time, so no ``[S_global, S_global]`` mask (nor a local
 ``[Sq, Sk]`` score matrix larger than the budget) is ever built.
 
-The forward keeps a running row maximum ``m``, normaliser ``l`` and unnormalised output per
-query row while it walks over key blocks (the online softmax of FlashAttention, Dao et al.
-2022, arXiv:2205.14135, Algorithm 1) and saves only the output and the row log-sum-exp. The
+The forward walks over key blocks, computes each block as one partial attention of its query
+rows (output and log-sum-exp) and adds it with the one online-softmax merge
+(:func:`cp_core.runtime.kernels.fused.merge_lse`; FlashAttention, Dao et al. 2022, arXiv:2205.14135,
+Algorithm 1); it saves only the output and the row log-sum-exp. The
 backward recomputes each block's probabilities from the saved log-sum-exp (Algorithm 2 of the
 same paper), so its memory is bounded by the same budget.
 
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from cp_core.errors import CPAttentionError
+from cp_core.runtime.kernels.fused import merge_lse
 from cp_core.runtime.kernels.sinks import add_sinks, sink_grad
 from cp_core.runtime.kernels.amp import autocast_off
 
@@ -114,37 +116,35 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index
     for r0, r1 in _ranges(sq, rows):
         qb = q[:, :, :, r0:r1].to(cdt).reshape(bsz, hkv, grp * (r1 - r0), -1)
         n = r1 - r0
-        row_max = torch.full((bsz, hkv, grp, n), -math.inf, dtype=cdt, device=q.device)
-        row_sum = torch.zeros(bsz, hkv, grp, n, dtype=cdt, device=q.device)
-        acc = torch.zeros(bsz, hkv, grp, n, dv, dtype=cdt, device=q.device)
+        # The row block's output and log-sum-exp so far (-inf: no allowed key yet).
+        acc = out[:, :, :, r0:r1]
+        row_lse = torch.full((bsz, hkv, grp, n), -math.inf, dtype=cdt, device=q.device)
         for c0, c1 in _ranges(k.shape[2], cols):
             allowed = _allowed(mask, q_index[r0:r1], k_index[c0:c1], bsz, q.device)
             if not bool(allowed.any()):
                 continue  # e.g. the upper triangle of causal attention: nothing to add
             s, _ = _capped((qb @ kc[:, :, c0:c1].transpose(-1, -2)) * scale, softcap)
             s = s.view(bsz, hkv, grp, n, c1 - c0).masked_fill(~allowed, -math.inf)
-            new_max = torch.maximum(row_max, s.amax(-1))
-            # A row with no allowed key so far keeps max -inf; shifting by 0 instead keeps
-            # exp() at exactly 0 for it rather than exp(-inf - -inf) = NaN.
-            shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            block_max = s.amax(-1)
+            # A row with no allowed key in this block has max -inf; shifting by 0 instead
+            # keeps exp() at exactly 0 for it rather than exp(-inf - -inf) = NaN.
+            shift = torch.where(torch.isinf(block_max), torch.zeros_like(block_max), block_max)
             p = torch.exp(s - shift.unsqueeze(-1))
-            rescale = torch.exp(row_max - shift)
-            row_sum = row_sum * rescale + p.sum(-1)
+            block_sum = p.sum(-1)
             pv = p.view(bsz, hkv, grp * n, c1 - c0) @ vc[:, :, c0:c1]
-            acc = acc * rescale.unsqueeze(-1) + pv.view(bsz, hkv, grp, n, dv)
-            row_max = new_max
-        has_key = row_sum > 0
-        safe_sum = torch.where(has_key, row_sum, torch.ones_like(row_sum))
-        out[:, :, :, r0:r1] = acc / safe_sum.unsqueeze(-1)
+            has_key = block_sum > 0
+            safe_sum = torch.where(has_key, block_sum, torch.ones_like(block_sum))
+            block_lse = torch.where(has_key, shift + torch.log(safe_sum),
+                                    torch.full_like(block_sum, -math.inf))
+            # The block is one partial attention of these rows: the one LSE merge adds it.
+            merge_lse(acc, row_lse, pv.view(bsz, hkv, grp, n, dv) / safe_sum.unsqueeze(-1),
+                      block_lse)
         if sinks is not None:
-            keys_lse = torch.where(has_key, row_max + torch.log(safe_sum),
-                                   torch.full_like(row_sum, -math.inf))
-            lse[:, :, :, r0:r1] = add_sinks(out[:, :, :, r0:r1], keys_lse,
-                                            grouped_sinks(sinks, hkv))
+            lse[:, :, :, r0:r1] = add_sinks(acc, row_lse, grouped_sinks(sinks, hkv))
             continue
         # Rows without keys get lse 0: finite, and the backward masks them to p == 0.
-        lse[:, :, :, r0:r1] = torch.where(has_key, row_max + torch.log(safe_sum),
-                                          torch.zeros_like(row_sum))
+        lse[:, :, :, r0:r1] = torch.where(torch.isneginf(row_lse), torch.zeros_like(row_lse),
+                                          row_lse)
     return out, lse
 
 

@@ -2,11 +2,13 @@
 
 Each :class:`~cp_core.plan.slices.Piece` is one call of a fused kernel that returns the
 row log-sum-exp (LSE) next to the output. Partial outputs of pieces that share query rows are
-merged with the online-softmax rule (FlashAttention, Dao et al. 2022, arXiv:2205.14135)::
+merged with the one online-softmax rule, :func:`merge_lse` (FlashAttention, Dao et al. 2022,
+arXiv:2205.14135), which the blocked kernel's key blocks use too::
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-Attention sinks join the same merge as one more score without a value
+A row without any key on either side keeps ``lse = -inf`` and output 0, never NaN. Attention
+sinks join the same merge as one more score without a value
 (:mod:`cp_core.runtime.kernels.sinks`). The backward of a piece is the fused kernel's own
 backward, given the *final* output and LSE of its rows: it rebuilds the piece's probabilities
 as ``exp(s - lse_final)``, which are the true global probabilities, so the pieces' gradients
@@ -247,17 +249,28 @@ def _piece_mask(p: Piece, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return band_mask(q1 - q0, k1 - k0, dlo, dhi, dtype, device)
 
 
+def merge_lse(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor | None,
+              lse: torch.Tensor) -> None:
+    """Merge ``(out [..., n, Dv], lse [..., n])`` into the accumulators, in place.
+
+    ``out=None`` merges a score without a value (an attention sink): the accumulated output
+    is only rescaled. ``lse`` broadcasts to ``lse_acc``; either may hold ``-inf`` rows."""
+    lse = lse.to(lse_acc.dtype)
+    new = torch.logaddexp(lse_acc, lse)
+    # Both sides -inf (no key yet): logaddexp gives -inf, and exp(-inf - -inf) would be NaN.
+    # Shifting such rows by 0 keeps both weights at exactly 0.
+    shift = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1).to(out_acc.dtype))
+    if out is not None:
+        out_acc.add_(out.to(out_acc.dtype) * torch.exp(lse - shift).unsqueeze(-1))
+    lse_acc.copy_(new)
+
+
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, p: Piece, out: torch.Tensor,
                lse: torch.Tensor) -> None:
-    """Online-softmax merge of one piece's ``(out, lse)`` into the accumulators, in place."""
-    o_view, l_view = _rows(out_acc, p), _rows(lse_acc.unsqueeze(-1), p).squeeze(-1)
-    lse = lse.to(l_view.dtype)
-    new = torch.logaddexp(l_view, lse)
-    # The old lse is -inf for rows no piece reached yet: exp(-inf - new) == 0, never NaN,
-    # because a piece's own lse is always finite (every row of a piece has a key).
-    o_view.mul_(torch.exp(l_view - new).unsqueeze(-1)).add_(
-        out.to(o_view.dtype) * torch.exp(lse - new).unsqueeze(-1))
-    l_view.copy_(new)
+    """Online-softmax merge of one piece's ``(out, lse)`` into the accumulators' rows of the
+    piece, in place (:func:`merge_lse`)."""
+    merge_lse(_rows(out_acc, p), _rows(lse_acc.unsqueeze(-1), p).squeeze(-1), out, lse)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -323,4 +336,5 @@ def backward_pieces(kernel: PieceKernel, q: torch.Tensor, k: torch.Tensor, v: to
 
 __all__ = ["CAUSAL_LEAF", "causal_tiles", "kernel_calls", "PieceKernel", "CPUFlashKernel",
            "CUDAEfficientKernel", "MathKernel", "ExplicitKernel", "kernel_for",
-           "last_dim_contiguous", "band_mask", "merge_into", "forward_pieces", "backward_pieces"]
+           "last_dim_contiguous", "band_mask", "merge_lse", "merge_into", "forward_pieces",
+           "backward_pieces"]

@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from cp_core.runtime.kernels.fused import merge_lse
+
 
 def add_sinks(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """Merge the sink logits into a finished row set, in place on ``out``.
@@ -36,8 +38,8 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch
     ``out [..., n, Dv]`` and ``lse [..., n]`` (``-inf`` for rows without keys) are the merged
     key-only results; ``sink`` broadcasts to ``lse``. Returns ``lse_total``.
     """
-    total = torch.logaddexp(lse, sink.to(lse.dtype))
-    out.mul_(torch.exp(lse - total).unsqueeze(-1).to(out.dtype))
+    total = lse.clone()
+    merge_lse(out, total, None, sink)  # a score without a value: the output only rescales
     return total
 
 
