@@ -163,7 +163,7 @@ def test_transports_load_through_the_same_rules() -> None:
     import importlib.metadata as md
 
     from cp_core.plugins import EntryPointGroup
-    from cp_core.runtime.transport_registry import check_transport
+    from cp_core.runtime.transports.registry import check_transport
 
     def ep(name: str, value: str) -> md.EntryPoint:
         return md.EntryPoint(name, value, "cp_core.transports")

@@ -71,7 +71,7 @@ class CPBackendConfig(BaseModel):
     @field_validator("transport")
     @classmethod
     def _check_transport(cls, name: str) -> str:
-        from cp_core.runtime.transport_registry import available_transports
+        from cp_core.runtime.transports.registry import available_transports
 
         if name not in available_transports():
             raise ValueError(f"unknown transport {name!r}; installed: {list(available_transports())}")

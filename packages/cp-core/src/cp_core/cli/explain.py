@@ -130,7 +130,7 @@ def _heads_verdict(transport: Any, q: Question) -> str:
 
 
 def _transport_lines(q: Question) -> list[str]:
-    from cp_core.runtime.transport_registry import get_transport, transport_entry_points
+    from cp_core.runtime.transports.registry import get_transport, transport_entry_points
 
     lines = []
     for name, target in sorted(transport_entry_points().items()):

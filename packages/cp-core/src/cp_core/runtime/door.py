@@ -289,7 +289,7 @@ def select_transport(plan: AttentionPlan) -> Callable[..., torch.Tensor]:
     """
     if plan.transport is not None:
         return plan.transport
-    from cp_core.runtime.transport_registry import DEFAULT_TRANSPORT, get_transport
+    from cp_core.runtime.transports.registry import DEFAULT_TRANSPORT, get_transport
 
     name = plan.options.transport or DEFAULT_TRANSPORT
     try:

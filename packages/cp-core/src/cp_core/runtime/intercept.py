@@ -124,7 +124,7 @@ def serve_call(plan: AttentionPlan, args: tuple[Any, ...], kwargs: dict[str, Any
     ``sinks`` / ``softcap``: attention sinks and logit soft-capping, passed to the transport
     (:func:`cp_core.runtime.door.call_transport`)."""
     from cp_core.runtime.door import call_transport, select_transport
-    from cp_core.runtime.transport_registry import prepare_transport
+    from cp_core.runtime.transports.registry import prepare_transport
 
     prepare_transport(select_transport(plan), plan)
     was = getattr(_state, "serving", False)
@@ -159,7 +159,7 @@ def activate_plan(plan: AttentionPlan) -> Iterator[AttentionPlan]:
     """
     from cp_core.runtime.door import select_transport
     from cp_core.runtime.hf_model import watch_models
-    from cp_core.runtime.transport_registry import prepare_transport
+    from cp_core.runtime.transports.registry import prepare_transport
 
     # The transport plans its communication and kernel pieces now, on the host, so that
     # nothing inside the forward or backward has to read a tensor value.

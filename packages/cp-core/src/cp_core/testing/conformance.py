@@ -368,7 +368,7 @@ def _rank_parity(rank: int, world: int, ref: Any, cp: int) -> dict[int, Any]:
 
 
 def _rank_transports(rank: int, world: int, ref: Any, cp: int) -> dict[str, Any]:
-    from cp_core.runtime.transport_registry import available_transports
+    from cp_core.runtime.transports.registry import available_transports
     from cp_core.errors import CPConfigError
 
     suite = _suite(ref)
