@@ -45,7 +45,7 @@ EXPECTED_BACKEND_API = {
     "pad_seq_dim", "pad_value_for", "peer_failures", "per_chunk_multiple", "per_rank_divisor",
     "real_keys_only",
     "record_collective", "resolve_causal", "resolve_documents", "round_robin_divisor",
-    "round_up", "shard_normalized", "thd_document_divisor",
+    "round_up", "segment_rects", "shard_normalized", "thd_document_divisor",
     "without_document_keys",
     # the one shard pipeline
     "ShardOptions", "StaticLayout", "static_backend", "static_sharder", "shard_static",

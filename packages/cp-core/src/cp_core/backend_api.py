@@ -45,7 +45,7 @@ from cp_core.plan.record import (
     DocumentMask,
     TransportOptions,
 )
-from cp_core.plan.rects import INF, BandRects, real_keys_only
+from cp_core.plan.rects import INF, BandRects, real_keys_only, segment_rects
 from cp_core.plan.slices import index_runs
 from cp_core.runtime.transports.allgather import allgather_sdpa, gather_kv
 from cp_core.runtime.door import call_transport, check_local_shapes, resolve_causal
@@ -144,6 +144,7 @@ __all__ = [
     # transport building blocks
     "allgather_sdpa", "call_transport", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",
+    "segment_rects",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
     "peer_failures",
     # errors

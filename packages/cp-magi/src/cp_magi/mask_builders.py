@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cp_core.backend_api import CPBatchError, CPConfigError
+from cp_core.backend_api import ATTENTION_KINDS, INF, CPBatchError, CPConfigError, segment_rects
 from cp_magi.mask import BI_CAUSAL, CAUSAL, FULL, AttnRectangles
 
 Spans = Sequence[tuple[int, int]] | np.ndarray
@@ -35,39 +35,32 @@ def _as_spans(spans: Spans) -> np.ndarray:
 
 def _per_document(spans: np.ndarray, attention: str, window: int | None,
                   chunk: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rectangles of each document attending to itself with ``attention``."""
-    s, e = spans[:, 0], spans[:, 1]
-    if attention == "causal":
-        return spans, spans, np.full(len(spans), CAUSAL)
-    if attention == "bidirectional":
-        return spans, spans, np.full(len(spans), FULL)
-    if attention == "sliding_window":
-        if window is None or window < 1:
-            raise CPConfigError(f"sliding_window attention needs window >= 1, got {window!r}")
-        w = int(window)
-        head_end = np.minimum(e, s + w - 1)  # rows that still see the document start
-        has_head = head_end > s
-        head = np.stack([s, head_end], 1)[has_head]
-        has_band = e > head_end
-        band_q = np.stack([head_end, e], 1)[has_band]
-        band_k = np.stack([np.maximum(s, head_end - w + 1), e], 1)[has_band]
-        q = np.concatenate([head, band_q])
-        k = np.concatenate([head, band_k])
-        t = np.concatenate([np.full(len(head), CAUSAL), np.full(len(band_q), BI_CAUSAL)])
-        return q, k, t
-    if attention == "chunked":
-        if chunk is None or chunk < 1:
-            raise CPConfigError(f"chunked attention needs chunk >= 1, got {chunk!r}")
-        n_chunks = -(-(e - s) // int(chunk))
-        owner = np.repeat(np.arange(len(spans)), n_chunks)
-        within = np.arange(n_chunks.sum()) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-        a = s[owner] + within * int(chunk)
-        b = np.minimum(a + int(chunk), e[owner])
-        q = np.stack([a, b], 1)
-        return q, q, np.full(len(q), CAUSAL)
-    raise CPConfigError(
-        f"attention={attention!r} is not one of causal, bidirectional, sliding_window, chunked"
-    )
+    """Rectangles of each document attending to itself with ``attention``.
+
+    The kind's rule is cp-core's (``segment_rects``: the kind's diagonal bounds, chunks cut
+    from each document's first token); here its band squares only change form. A square
+    ``[s, e)`` with bounds ``dlo <= k - q <= dhi`` is ``full`` (no bound), ``causal``
+    (``dhi = 0``), or, with a window (``dlo = 1 - w``), a ``causal`` head of the rows that
+    still see the document start and a ``bi_causal`` band after them."""
+    if attention not in ATTENTION_KINDS:
+        raise CPConfigError(
+            f"attention={attention!r} is not one of {', '.join(ATTENTION_KINDS)}")
+    if attention == "sliding_window" and (window is None or window < 1):
+        raise CPConfigError(f"sliding_window attention needs window >= 1, got {window!r}")
+    if attention == "chunked" and (chunk is None or chunk < 1):
+        raise CPConfigError(f"chunked attention needs chunk >= 1, got {chunk!r}")
+    band = segment_rects(spans[:, 0], spans[:, 1], attention, window, chunk).rows
+    s, e, dlo, dhi = band[:, 1], band[:, 2], band[:, 5], band[:, 6]
+    if bool((dhi == INF).any()):  # bidirectional: no bound at all
+        sq = np.stack([s, e], 1)
+        return sq, sq, np.full(len(sq), FULL)
+    head_end = np.where(dlo == -INF, e, np.minimum(e, s - dlo))  # rows that see the start
+    has_head, has_band = head_end > s, e > head_end
+    head = np.stack([s, head_end], 1)[has_head]
+    band_q = np.stack([head_end, e], 1)[has_band]
+    band_k = np.stack([head_end + dlo, e], 1)[has_band]  # the window's first key
+    t = np.concatenate([np.full(len(head), CAUSAL), np.full(len(band_q), BI_CAUSAL)])
+    return np.concatenate([head, band_q]), np.concatenate([head, band_k]), t
 
 
 def _sorted(q: np.ndarray, k: np.ndarray, t: np.ndarray, seq_len: int,
