@@ -172,3 +172,48 @@ def test_config_is_validated() -> None:
         with pytest.raises(CPConfigError) as err:
             build_sharder({"backend": "locality", "size": 2, **bad}, SimulatedCPMesh(0, 2))
         assert next(iter(bad)) in str(err.value)
+
+
+@pytest.mark.parametrize("cp", [4, 8])
+def test_round_robin_reference_is_round_robins_busiest(cp: int) -> None:
+    """The reference the search stops against is what round_robin's busiest rank receives,
+    counted from round_robin's own indices by the definition."""
+    from cp_magi.locality.lean import round_robin_recv
+    from cp_magi.locality.units import build_units
+
+    for seed in (0, 1, 2):
+        lengths = packed_rows(1, 128 * cp, seed, cap_fraction=0.25)[0]
+        batch = make_packed_batch([lengths], vocab=50, seed=seed)
+        indices, _, layout = shard_every_rank({"backend": "round_robin"}, cp, batch)
+        _, recv = truth_counts(truth_allowed(lengths, layout.padded_seq_len, "causal"), indices)
+        ends = np.cumsum(lengths)
+        units = build_units(np.stack([ends - np.asarray(lengths), ends], axis=1),
+                            128 * cp, kind_model("causal", None))
+        assert round_robin_recv(units, cp) == max(recv), (cp, seed)
+
+
+@pytest.mark.parametrize("cp", [4, 8, 16])
+def test_direct_construction_partitions_the_stream(cp: int) -> None:
+    """The direct construction gives every rank exactly its share and every row of every
+    document to exactly one rank, balanced or not (the search keeps it only if balanced)."""
+    from cp_magi.locality.lean import lean
+    from cp_magi.locality.units import build_units
+
+    per_rank = 256
+    for seed in range(4):
+        lengths = packed_rows(1, per_rank * cp, seed, cap_fraction=0.25)[0]
+        ends = np.cumsum(lengths)
+        spans = np.stack([ends - np.asarray(lengths), ends], axis=1)
+        units = build_units(spans, per_rank * cp, kind_model("causal", None))
+        held = lean(units, cp, per_rank, units.total_work / cp, 0.01)
+        assert held is not None
+        cover = np.zeros(per_rank * cp, np.int64)
+        for h in held:
+            n = 0
+            for u, parts in h.items():
+                for a, b in parts:
+                    s = a if u < 0 else int(units.starts[u]) + a
+                    cover[s:s + b - a] += 1
+                    n += b - a
+            assert n == per_rank, (cp, seed, n)
+        assert (cover == 1).all(), (cp, seed)

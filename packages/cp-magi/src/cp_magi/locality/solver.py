@@ -38,6 +38,7 @@ from cp_core.backend_api import RankRuns
 from cp_magi.locality.anchors import Material, allocate
 from cp_magi.locality.bins import FREE, Bins, level, pour
 from cp_magi.locality.expand import expand_anchor
+from cp_magi.locality.lean import lean, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
 from cp_magi.locality.stones import place_stones
@@ -48,6 +49,9 @@ ATTEMPTS: tuple[tuple[float, float], ...] = ((0.5, 0.15), (0.5, 0.3), (0.0, 0.3)
 #: Packing: the sand fractions, and the number of steps of the grid of bounds.
 PACK_SAND: tuple[float, ...] = (0.15, 0.3)
 PACK_GRID = 8
+#: The search stops at a balanced placement receiving at most this share of round_robin's
+#: busiest rank (on the stream taken as one row).
+EARLY = 0.6
 
 Holding = dict[int, list[Part]]
 
@@ -193,6 +197,13 @@ def _packed(units: Units, cp: int, t: int, mean: float, tolerance: float, fracti
     return ranks.parts
 
 
+def _lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[Holding]:
+    got = lean(units, cp, t, mean, tolerance)
+    if got is None:
+        raise ValueError("the direct construction does not apply")
+    return got
+
+
 def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
     """The placement of ``units`` on ``cp`` ranks (module docstring)."""
     if units.stream_len % cp:
@@ -208,13 +219,17 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
             tries.append(partial(_packed, units, cp, t, mean, tolerance, fraction, bound))
     tries += [partial(_attempt, units, cp, t, mean, tolerance, share, fraction)
               for share, fraction in ATTEMPTS]
+    tries.insert(0, partial(_lean, units, cp, t, mean, tolerance))
     # No layout with equal shares receives less than this (causal: the holder of a unit's
     # last row receives every row of it that it does not hold): reaching it ends the search.
     least = floor if units.model.graded else 0
+    # A balanced placement receiving at most this share of round_robin's busiest ends the
+    # search too: the rest would cost host time for rows already well below the reference.
+    enough = max(least, EARLY * round_robin_recv(units, cp))
     best = None
     for run in tries + [partial(_fallback, units, cp, t)]:
         if best is not None and not best[0][0] and (run.func is _fallback
-                                                    or best[0][1] <= least):
+                                                    or best[0][1] <= enough):
             break
         try:
             holdings = run()
@@ -226,7 +241,8 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
         balanced = worst <= 1.0 + tolerance
         key = (not balanced, float(recv.max()) if balanced else worst)
         if best is None or key < best[0]:
-            method = {_packed: "pack", _attempt: "groups"}.get(run.func, "dispatch")
+            method = {_packed: "pack", _attempt: "groups", _lean: "direct"}.get(run.func,
+                                                                               "dispatch")
             best = (key, holdings, work, recv, method)
     assert best is not None
     _, holdings, work, recv, method = best
