@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cp_magi.locality.anchors import slice_anchor
+from cp_magi.locality.anchors import Material, slice_anchor
 from cp_magi.locality.bins import FREE, Bins, level, pour, work_of
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.stones import place_stones
@@ -70,6 +70,22 @@ def group_sizes(units: Units, long_: np.ndarray, cp: int, t: int, mean: float
             want[order[:left]] += 1
         k = want
     return {int(u): int(n) for u, n in zip(long_.tolist(), k.tolist())}
+
+
+def _fill_ok(units: Units, long_: np.ndarray, k: dict[int, int], t: int, mean: float
+             ) -> bool:
+    """Whether every group's fill can be as light as its ranks need: its fill work at least
+    the work of as many of the lightest fill tokens."""
+    rest = np.setdiff1d(np.arange(units.lengths.size), long_)
+    free = [int(units.stream_len - units.lengths.sum())]
+    free = free if free[0] > 0 else []  # pad slots: fill of no work
+    material = Material.of(np.concatenate([units.lengths[rest], np.asarray(free, np.int64)]),
+                           np.concatenate([units.work[rest], np.zeros(len(free), np.int64)]))
+    for u in long_.tolist():
+        tokens = k[u] * t - int(units.lengths[u])
+        if k[u] * mean - float(units.work[u]) < material.lightest(tokens):
+            return False
+    return True
 
 
 def _fill(units: Units, fill: np.ndarray, cap: np.ndarray, need: np.ndarray,
@@ -122,6 +138,14 @@ def lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[H
         k = group_sizes(units, long_, cp, t, mean)
     if k is None:
         return None
+    # A group whose fill would have to be lighter than the lightest fill there is needs
+    # another rank: the lightest unit kept whole on a rank of its own goes to the fill.
+    while any(~must[long_]) and not _fill_ok(units, long_, k, t, mean):
+        drop = long_[~must[long_]][-1]
+        long_ = long_[long_ != drop]
+        k = group_sizes(units, long_, cp, t, mean)
+        if k is None:
+            return None
     cap = mean * (1 + tolerance / 2)
     groups: list[tuple[int, list]] = []
     for u in long_.tolist():
