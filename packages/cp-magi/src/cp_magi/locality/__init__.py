@@ -6,6 +6,7 @@ and tokens per rank stay balanced: :mod:`~cp_magi.locality.units` (units and the
 attention kind), :mod:`~cp_magi.locality.slicing` and :mod:`~cp_magi.locality.anchors` (the
 long units), :mod:`~cp_magi.locality.pack`, :mod:`~cp_magi.locality.stones`,
 :mod:`~cp_magi.locality.bins` and :mod:`~cp_magi.locality.expand` (filling the ranks),
+:mod:`~cp_magi.locality.lean` (the direct construction, tried first),
 :mod:`~cp_magi.locality.solver` (the search), :mod:`~cp_magi.locality.sharder` and
 :mod:`~cp_magi.locality.backend` (the backend).
 """
