@@ -79,11 +79,24 @@ def _is_device_mesh(mesh: Any) -> bool:
     return isinstance(mesh, DeviceMesh)
 
 
+#: Dim names of a 2-D CP mesh (``cp.transport=usp``): rings across, Ulysses groups inside.
+#: CP rank ``g * u + j`` is coordinate ``(g, j)``, so a Ulysses group is u consecutive ranks.
+RING_DIM, ULYSSES_DIM = "cp_ring", "cp_ulysses"
+
+
+def is_cp_grid(mesh: Any) -> bool:
+    """True for a 2-D ``DeviceMesh`` whose dims are named ``(RING_DIM, ULYSSES_DIM)``: the CP
+    mesh of the ``usp`` transport, flattened in row-major order everywhere else."""
+    return _is_device_mesh(mesh) and mesh.ndim == 2 and \
+        tuple(mesh.mesh_dim_names or ()) == (RING_DIM, ULYSSES_DIM)
+
+
 def _check_1d(mesh: Any) -> None:
-    if getattr(mesh, "ndim", 1) != 1:
+    if getattr(mesh, "ndim", 1) != 1 and not is_cp_grid(mesh):
         raise CPConfigError(
-            f"cp_mesh must be a 1-D DeviceMesh (slice the CP dimension, e.g. mesh['cp']), "
-            f"got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}"
+            f"cp_mesh must be a 1-D DeviceMesh (slice the CP dimension, e.g. mesh['cp']) or a "
+            f"2-D one with dims ({RING_DIM!r}, {ULYSSES_DIM!r}) (cp.transport=usp), got a "
+            f"{mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}"
         )
 
 
@@ -112,6 +125,9 @@ def cp_rank(cp_mesh: Any) -> int:
         return cp_mesh.rank
     if _is_device_mesh(cp_mesh):
         _check_1d(cp_mesh)
+        if is_cp_grid(cp_mesh):
+            ring, uly = (int(cp_mesh.get_local_rank(d)) for d in (RING_DIM, ULYSSES_DIM))
+            return ring * int(cp_mesh.size(1)) + uly
         return int(cp_mesh.get_local_rank())
     if isinstance(cp_mesh, dist.ProcessGroup):
         return int(dist.get_rank(cp_mesh))
@@ -141,10 +157,42 @@ def cp_group(cp_mesh: Any) -> dist.ProcessGroup | None:
             "transport) need a real DeviceMesh or ProcessGroup"
         )
     if _is_device_mesh(cp_mesh):
-        return cp_mesh.get_group()
+        return _grid_group(cp_mesh) if is_cp_grid(cp_mesh) else cp_mesh.get_group()
     if isinstance(cp_mesh, dist.ProcessGroup):
         return cp_mesh
     return _duck_group(cp_mesh)
+
+
+def group_timeout(group: Any) -> Any:
+    """The collective timeout of ``group`` (a ``timedelta``), or None when its backend does
+    not say: subgroups made from it get the same bound instead of torch's default."""
+    import torch
+
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for this device, or one without options
+            continue
+    return None
+
+
+_GRID_GROUPS: dict[int, tuple[Any, dist.ProcessGroup]] = {}
+
+
+def _grid_group(mesh: Any) -> dist.ProcessGroup:
+    """The group of every rank of a 2-D CP mesh, group rank == row-major CP rank (created
+    once per mesh, by the mesh's ranks alone)."""
+    got = _GRID_GROUPS.get(id(mesh))
+    if got is None or got[0] is not mesh:
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        if ranks != sorted(ranks):
+            raise CPConfigError(
+                f"a 2-D CP mesh must number its ranks in row-major order ({RING_DIM}, "
+                f"{ULYSSES_DIM}) with increasing global ranks; got {mesh.mesh.tolist()}")
+        group = dist.new_group(ranks, timeout=group_timeout(dist.group.WORLD),
+                               use_local_synchronization=True)
+        got = _GRID_GROUPS[id(mesh)] = (mesh, group)
+    return got[1]
 
 
 def _duck_group(cp_mesh: Any) -> dist.ProcessGroup:
@@ -188,5 +236,5 @@ def describe_mesh(cp_mesh: Any) -> str:
     return f"{type(cp_mesh).__name__}(rank={cp_rank(cp_mesh)}, size={cp_size(cp_mesh)})"
 
 
-__all__ = ["SimulatedCPMesh", "CPMeshLike", "cp_size", "cp_rank", "cp_group", "can_communicate",
+__all__ = ["SimulatedCPMesh", "CPMeshLike", "RING_DIM", "ULYSSES_DIM", "is_cp_grid", "group_timeout", "cp_size", "cp_rank", "cp_group", "can_communicate",
            "describe_mesh"]

@@ -1,0 +1,58 @@
+"""The ring plan of a 2-D CP split (cp = u x r): every Ulysses group as one super rank.
+
+After the all-to-all inside a Ulysses group, each of its u ranks holds every token of the
+group (the group's ranks' tokens back to back, in rank order) for heads/u heads. Across the
+groups this is a CP of r ranks whose index maps are the groups' runs merged: the needed-only
+p2p schedule (:func:`cp_core.plan.schedule.schedule_for`) is built from them with the one
+mask rule, so every layout and every mask kind is served as the p2p ring serves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from cp_core.placement.runs import RankRuns
+from cp_core.plan.record import AttentionPlan
+
+
+def group_runs(runs: RankRuns, ulysses_size: int) -> RankRuns:
+    """The runs of ``runs.size / ulysses_size`` super ranks: super rank ``g`` holds ranks
+    ``g*u .. g*u + u - 1``'s runs back to back, in rank order."""
+    u = ulysses_size
+    r = runs.size // u
+    return RankRuns.build(
+        [np.concatenate(runs.starts[g * u:(g + 1) * u]) for g in range(r)],
+        [np.concatenate(runs.lengths[g * u:(g + 1) * u]) for g in range(r)])
+
+
+def plan_runs(plan: AttentionPlan) -> RankRuns:
+    """The plan's runs (derived from its index map when it was given as a tensor)."""
+    runs = plan.rank_runs
+    return RankRuns.from_indices(plan.rank_indices) if runs is None else runs
+
+
+def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_mesh: Any) -> AttentionPlan:
+    """``plan`` over the super ranks of groups of ``ulysses_size`` consecutive ranks, as seen
+    by this rank's group; ``ring_mesh`` is the ring's group (None when there is one group).
+    Cached on ``plan`` (host work once per plan and split); at u = 1 it is ``plan``."""
+    if ulysses_size == 1:
+        return plan
+    key = f"usp_ring:{ulysses_size}"
+    got = plan.cache.get(key)
+    if got is None:
+        u = ulysses_size
+        merged = group_runs(plan_runs(plan), u)
+        g = plan.cp_rank // u
+        device = plan.q_index.device
+        got = dataclasses.replace(
+            plan, cp_mesh=ring_mesh if merged.size > 1 else None, cp_rank=g,
+            cp_size=merged.size, q_index=merged.local_indices(g, device), rank_indices=None,
+            rank_runs=merged, cache={})
+        plan.cache[key] = got
+    return got
+
+
+__all__ = ["group_runs", "plan_runs", "ring_plan"]
