@@ -143,9 +143,9 @@ class CPBackendConfig(BaseModel):
         if self.transport == "usp":
             # The split is checked where the mesh is known, so a missing or wrong
             # cp.ulysses_size is refused when the sharder is built, not inside the forward.
-            from cp_core.comm.subgroups import grid_groups_checked
+            from cp_core.comm.subgroups import split_size
 
-            grid_groups_checked(cp_mesh, self.ulysses_size)
+            split_size(cp_mesh, self.ulysses_size)
 
     def common_shard_kwargs(self, tp_mesh: Any = None) -> dict[str, Any]:
         """Keyword arguments of the framework ``shard_batch`` functions taken from this config."""

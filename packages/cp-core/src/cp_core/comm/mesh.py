@@ -163,36 +163,16 @@ def cp_group(cp_mesh: Any) -> dist.ProcessGroup | None:
     return _duck_group(cp_mesh)
 
 
-def group_timeout(group: Any) -> Any:
-    """The collective timeout of ``group`` (a ``timedelta``), or None when its backend does
-    not say: subgroups made from it get the same bound instead of torch's default."""
-    import torch
-
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except Exception:  # no backend for this device, or one without options
-            continue
-    return None
-
-
-_GRID_GROUPS: dict[int, tuple[Any, dist.ProcessGroup]] = {}
-
-
 def _grid_group(mesh: Any) -> dist.ProcessGroup:
-    """The group of every rank of a 2-D CP mesh, group rank == row-major CP rank (created
-    once per mesh, by the mesh's ranks alone)."""
-    got = _GRID_GROUPS.get(id(mesh))
-    if got is None or got[0] is not mesh:
-        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        if ranks != sorted(ranks):
-            raise CPConfigError(
-                f"a 2-D CP mesh must number its ranks in row-major order ({RING_DIM}, "
-                f"{ULYSSES_DIM}) with increasing global ranks; got {mesh.mesh.tolist()}")
-        group = dist.new_group(ranks, timeout=group_timeout(dist.group.WORLD),
-                               use_local_synchronization=True)
-        got = _GRID_GROUPS[id(mesh)] = (mesh, group)
-    return got[1]
+    """The group of every rank of a 2-D CP mesh, group rank == row-major CP rank: the mesh's
+    own flattened dim (``DeviceMesh._flatten``; created by every rank of the mesh the first
+    time, as the mesh's groups were, or beforehand by the caller)."""
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if ranks != sorted(ranks):
+        raise CPConfigError(
+            f"a 2-D CP mesh must number its ranks in row-major order ({RING_DIM}, "
+            f"{ULYSSES_DIM}) with increasing global ranks; got {mesh.mesh.tolist()}")
+    return mesh._flatten().get_group()
 
 
 def _duck_group(cp_mesh: Any) -> dist.ProcessGroup:
@@ -236,5 +216,5 @@ def describe_mesh(cp_mesh: Any) -> str:
     return f"{type(cp_mesh).__name__}(rank={cp_rank(cp_mesh)}, size={cp_size(cp_mesh)})"
 
 
-__all__ = ["SimulatedCPMesh", "CPMeshLike", "RING_DIM", "ULYSSES_DIM", "is_cp_grid", "group_timeout", "cp_size", "cp_rank", "cp_group", "can_communicate",
-           "describe_mesh"]
+__all__ = ["SimulatedCPMesh", "CPMeshLike", "RING_DIM", "ULYSSES_DIM", "is_cp_grid", "cp_size",
+           "cp_rank", "cp_group", "can_communicate", "describe_mesh"]

@@ -2,10 +2,15 @@
 
 The ``usp`` transport runs cp = u x r ranks as r Ulysses groups: CP rank ``c`` is coordinate
 ``(g, j) = divmod(c, u)``, group ``g`` holds ranks ``g*u .. g*u + u - 1``, and ring ``j`` holds
-the r ranks ``j, u + j, 2u + j, ...`` (one per group, the same heads on each). A 2-D CP mesh
-(dims ``RING_DIM``, ``ULYSSES_DIM``) hands out both groups itself; from a 1-D CP group the two
-subgroups are created here, once per (group, u), by this rank's peers alone (every rank of a
-subgroup creates it at the same point of the step, so no other rank of the job takes part).
+the r ranks ``j, u + j, 2u + j, ...`` (one per group, the same heads on each).
+
+A 2-D CP mesh (dims ``RING_DIM``, ``ULYSSES_DIM``) hands out both groups as process groups of
+their own. From a 1-D CP group no process group is created: both are *peer sets* of the CP
+group (:class:`PeerGroup`), the Ulysses all-to-all runs as point-to-point exchanges with the
+group's peers and the ring addresses its peers by CP rank. ``torch.distributed.new_group``
+would need every rank of the job (or, with local synchronisation, names its groups from a count
+of the groups each process created so far, which differs between ranks that joined different
+subgroups before), so a split made inside a step could hang; peer sets cannot.
 """
 
 from __future__ import annotations
@@ -13,23 +18,70 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from cp_core.comm.collectives import all_to_all_same_shape, record_collective
+from cp_core.comm.failures import peer_failures
 from cp_core.comm.mesh import (
     RING_DIM,
     ULYSSES_DIM,
     cp_group,
     cp_rank,
     cp_size,
-    group_timeout,
     is_cp_grid,
 )
 from cp_core.errors import CPConfigError
 
+#: Tag of the Ulysses exchanges on a shared CP group (the p2p ring uses 0-2).
+_TAG_A2A = 7
+
+
+@dataclass(frozen=True)
+class PeerGroup:
+    """Some ranks of a process group, addressed by their ranks in it (``peers[i]`` is member
+    ``i``; this rank is member ``me``). When the members are the whole group, its own
+    collectives serve them."""
+
+    group: Any
+    peers: tuple[int, ...]
+    me: int
+
+    @property
+    def size(self) -> int:
+        """Members of the peer set."""
+        return len(self.peers)
+
+    @property
+    def whole(self) -> bool:
+        """True when the members are the whole process group, in its rank order."""
+        return self.peers == tuple(range(dist.get_world_size(self.group)))
+
+    def all_to_all(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Member ``i`` gets ``parts[i]``; returns what each member sent here, in member order
+        (equal shapes). Counted as one ``all_to_all`` of every part, as the collective is."""
+        if self.whole:
+            return all_to_all_same_shape(parts, self.group)
+        parts = [t.contiguous() for t in parts]
+        outs = [torch.empty_like(parts[0]) for _ in parts]
+        outs[self.me] = parts[self.me]
+        record_collective("all_to_all", sum(t.numel() * t.element_size() for t in parts))
+        works = []
+        for i, peer in enumerate(self.peers):
+            if i != self.me:
+                works.append(dist.irecv(outs[i], group=self.group, group_src=peer,
+                                        tag=_TAG_A2A))
+                works.append(dist.isend(parts[i], group=self.group, group_dst=peer,
+                                        tag=_TAG_A2A))
+        with peer_failures(self.group, "usp all-to-all"):
+            for w in works:
+                w.wait()
+        return outs
+
 
 @dataclass(frozen=True)
 class GridGroups:
-    """This rank's two groups of a cp = u x r split."""
+    """This rank's two peer sets of a cp = u x r split."""
 
     ulysses_size: int
     """u: ranks of one Ulysses group (heads are split over them)."""
@@ -39,13 +91,10 @@ class GridGroups:
     """j: this rank's index in its Ulysses group (it holds head block j)."""
     ring_rank: int
     """g: this rank's Ulysses group, its index in its ring."""
-    ulysses: Any
-    """The Ulysses group's ProcessGroup (None when u == 1)."""
-    ring: Any
-    """The ring's ProcessGroup (None when r == 1)."""
-
-
-_CACHE: dict[tuple[int, int], tuple[Any, GridGroups]] = {}
+    ulysses: PeerGroup | None
+    """The Ulysses group (None when u == 1)."""
+    ring: PeerGroup | None
+    """The ring (None when r == 1)."""
 
 
 def check_split(cp: int, ulysses_size: int | None) -> int:
@@ -64,10 +113,10 @@ def check_split(cp: int, ulysses_size: int | None) -> int:
     return ulysses_size
 
 
-def grid_groups_checked(cp_mesh: Any, ulysses_size: int | None) -> int:
+def split_size(cp_mesh: Any, ulysses_size: int | None) -> int:
     """The Ulysses size ``cp_mesh`` is split with (its ``ULYSSES_DIM`` for a 2-D CP mesh,
     else ``ulysses_size``, which must then divide the CP size); :class:`CPConfigError` names
-    what is wrong. Creates nothing."""
+    what is wrong. Communicates nothing."""
     if is_cp_grid(cp_mesh):
         u = int(cp_mesh.size(1))
         if ulysses_size is not None and ulysses_size != u:
@@ -81,38 +130,18 @@ def grid_groups_checked(cp_mesh: Any, ulysses_size: int | None) -> int:
 
 def grid_groups(cp_mesh: Any, ulysses_size: int | None) -> GridGroups:
     """This rank's Ulysses group and ring for ``cp_mesh`` split into groups of
-    ``ulysses_size`` consecutive ranks (a 2-D CP mesh gives them; a 1-D group is split here,
-    once, and the subgroups kept for the process)."""
+    ``ulysses_size`` consecutive ranks (see the module docstring)."""
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
-    u = grid_groups_checked(cp_mesh, ulysses_size)
-    if is_cp_grid(cp_mesh):
-        r = size // u
-        return GridGroups(u, r, rank % u, rank // u,
-                          cp_mesh.get_group(ULYSSES_DIM) if u > 1 else None,
-                          cp_mesh.get_group(RING_DIM) if r > 1 else None)
+    u = split_size(cp_mesh, ulysses_size)
     r, (g, j) = size // u, divmod(rank, u)
-    parent = cp_group(cp_mesh)
-    if parent is None or u in (1, size):  # one of the two groups is the CP group itself
-        return GridGroups(u, r, j, g, parent if u > 1 else None, parent if r > 1 else None)
-    got = _CACHE.get((id(parent), u))
-    if got is None or got[0] is not parent:
-        got = (parent, _split(parent, u, r, g, j))
-        _CACHE[(id(parent), u)] = got
-    return got[1]
+    if is_cp_grid(cp_mesh):
+        uly = PeerGroup(cp_mesh.get_group(ULYSSES_DIM), tuple(range(u)), j)
+        ring = PeerGroup(cp_mesh.get_group(RING_DIM), tuple(range(r)), g)
+    else:
+        parent = cp_group(cp_mesh)
+        uly = PeerGroup(parent, tuple(range(g * u, (g + 1) * u)), j)
+        ring = PeerGroup(parent, tuple(range(j, size, u)), g)
+    return GridGroups(u, r, j, g, uly if u > 1 else None, ring if r > 1 else None)
 
 
-def _split(parent: Any, u: int, r: int, g: int, j: int) -> GridGroups:
-    """Create this rank's Ulysses group, then its ring (every rank in that order: the
-    Ulysses groups are disjoint, and so are the rings, so no two ranks wait on each other)."""
-    ranks = dist.get_process_group_ranks(parent)  # global ranks, in CP-rank order
-    timeout = group_timeout(parent)
-    # sort_ranks=False: a subgroup's rank order is the CP order (ring rank == g), whatever
-    # the global numbering.
-    ulysses = dist.new_group(ranks[g * u:(g + 1) * u], timeout=timeout,
-                             use_local_synchronization=True, sort_ranks=False)
-    ring = dist.new_group(ranks[j::u], timeout=timeout, use_local_synchronization=True,
-                          sort_ranks=False)
-    return GridGroups(u, r, j, g, ulysses, ring)
-
-
-__all__ = ["GridGroups", "check_split", "grid_groups", "grid_groups_checked"]
+__all__ = ["PeerGroup", "GridGroups", "check_split", "split_size", "grid_groups"]

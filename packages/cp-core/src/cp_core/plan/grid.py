@@ -3,19 +3,20 @@
 After the all-to-all inside a Ulysses group, each of its u ranks holds every token of the
 group (the group's ranks' tokens back to back, in rank order) for heads/u heads. Across the
 groups this is a CP of r ranks whose index maps are the groups' runs merged: the needed-only
-p2p schedule (:func:`cp_core.plan.schedule.schedule_for`) is built from them with the one
-mask rule, so every layout and every mask kind is served as the p2p ring serves it.
+p2p schedule (:func:`cp_core.plan.schedule.schedule_from_runs`) is built from them with the
+one mask rule, so every layout and every mask kind is served as the p2p ring serves it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from cp_core.placement.runs import RankRuns
 from cp_core.plan.record import AttentionPlan
+from cp_core.plan.schedule import P2PSchedule, RingStep, plan_rects, schedule_from_runs
 
 
 def group_runs(runs: RankRuns, ulysses_size: int) -> RankRuns:
@@ -34,10 +35,12 @@ def plan_runs(plan: AttentionPlan) -> RankRuns:
     return RankRuns.from_indices(plan.rank_indices) if runs is None else runs
 
 
-def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_mesh: Any) -> AttentionPlan:
+def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_group: Any = None,
+              ring_peers: Sequence[int] | None = None) -> AttentionPlan:
     """``plan`` over the super ranks of groups of ``ulysses_size`` consecutive ranks, as seen
-    by this rank's group; ``ring_mesh`` is the ring's group (None when there is one group).
-    Cached on ``plan`` (host work once per plan and split); at u = 1 it is ``plan``."""
+    by this rank's group. The ring runs over ``ring_group``, where super rank ``s`` is the
+    group's rank ``ring_peers[s]`` (None: ``s``); its schedule is built here, host work once
+    per plan and split (cached on ``plan``). At u = 1 it is ``plan`` itself."""
     if ulysses_size == 1:
         return plan
     key = f"usp_ring:{ulysses_size}"
@@ -46,13 +49,25 @@ def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_mesh: Any) -> Attenti
         u = ulysses_size
         merged = group_runs(plan_runs(plan), u)
         g = plan.cp_rank // u
-        device = plan.q_index.device
         got = dataclasses.replace(
-            plan, cp_mesh=ring_mesh if merged.size > 1 else None, cp_rank=g,
-            cp_size=merged.size, q_index=merged.local_indices(g, device), rank_indices=None,
-            rank_runs=merged, cache={})
+            plan, cp_mesh=ring_group if merged.size > 1 else None, cp_rank=g,
+            cp_size=merged.size, q_index=merged.local_indices(g, plan.q_index.device),
+            rank_indices=None, rank_runs=merged, cache={})
+        rects = plan_rects(plan)
+        if rects is not None:
+            got.cache["rects"] = rects
+            got.cache["p2p"] = _addressed(schedule_from_runs(rects, merged, g), ring_peers)
         plan.cache[key] = got
     return got
+
+
+def _addressed(sched: P2PSchedule, peers: Sequence[int] | None) -> P2PSchedule:
+    """``sched`` with each step's peers named by their rank in the ring's process group."""
+    if peers is None or list(peers) == list(range(sched.size)):
+        return sched
+    steps = [RingStep(peers[s.src], s.recv_ranges, s.pieces, peers[s.dst], s.send_ranges)
+             for s in sched.steps]
+    return P2PSchedule(sched.rank, sched.size, sched.local, steps)
 
 
 __all__ = ["group_runs", "plan_runs", "ring_plan"]

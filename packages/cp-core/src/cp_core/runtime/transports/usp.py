@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cp_core.comm.subgroups import GridGroups, check_split, grid_groups
+from cp_core.comm.subgroups import GridGroups, PeerGroup, check_split, grid_groups
 from cp_core.errors import CPAttentionError
 from cp_core.plan.grid import ring_plan
 from cp_core.plan.record import AttentionPlan
@@ -35,7 +35,33 @@ from cp_core.plan.schedule import schedule_for
 from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.runtime.transports.p2p import P2PTransport
-from cp_core.runtime.transports.ulysses import _SwapShards
+
+
+def _seq_to_head(x: torch.Tensor, group: PeerGroup) -> torch.Tensor:
+    parts = list(x.split(x.shape[1] // group.size, dim=1))
+    return torch.cat(group.all_to_all(parts), dim=2)
+
+
+def _head_to_seq(y: torch.Tensor, group: PeerGroup) -> torch.Tensor:
+    parts = list(y.split(y.shape[2] // group.size, dim=2))
+    return torch.cat(group.all_to_all(parts), dim=1)
+
+
+class _SwapShards(torch.autograd.Function):
+    """Within a Ulysses group: this rank's tokens with every head ``[B, H, n, D]`` <-> the
+    group's tokens with its head block ``[B, H/u, u*n, D]``; the backward of each direction
+    is the other."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: PeerGroup,  # type: ignore[override]
+                to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        back = _head_to_seq if ctx.to_heads else _seq_to_head
+        return back(grad.contiguous(), ctx.group), None, None
 
 
 def kv_repeats(num_heads: int, num_kv_heads: int, ulysses_size: int) -> int:
@@ -78,7 +104,9 @@ class USPTransport:
         """This rank's groups and the ring plan (built once per plan)."""
         grid = grid_groups(plan.cp_mesh, plan.options.ulysses_size) if plan.cp_size > 1 \
             else GridGroups(1, 1, 0, 0, None, None)
-        return grid, ring_plan(plan, grid.ulysses_size, grid.ring)
+        ring = grid.ring
+        return grid, ring_plan(plan, grid.ulysses_size, None if ring is None else ring.group,
+                               None if ring is None else ring.peers)
 
     def prepare(self, plan: AttentionPlan) -> None:
         """Create the subgroups and build the ring's schedule now, before the forward."""
@@ -115,12 +143,12 @@ class USPTransport:
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         group = grid.ulysses
-        qh, kh, vh = (_SwapShards.apply(t, group, u, True) for t in (q, k, v))
+        qh, kh, vh = (_SwapShards.apply(t, group, True) for t in (q, k, v))
         if sinks is not None:  # rank j of a group holds query heads [j*H/u, (j+1)*H/u)
             per = q.shape[1] // u
             sinks = sinks.reshape(-1)[grid.ulysses_rank * per:(grid.ulysses_rank + 1) * per]
         out = p2p_attention(qh, kh, vh, ring, scale, kernel, sinks=sinks, softcap=softcap)
-        return _SwapShards.apply(out, group, u, False)
+        return _SwapShards.apply(out, group, False)
 
 
 usp_sdpa = USPTransport()
