@@ -9,7 +9,8 @@ by pair (:mod:`cp_core.testing.reference_attention`). Bytes are counted per coll
 compared with counts derived here from the layout's index maps alone: the all-to-alls move
 this rank's q/k/v (K/V replicated when kv_heads < u) and the output; the ring sends exactly
 the key rows of this rank's group that some query of another group may see, for this rank's
-K/V heads.
+K/V heads. The bytes each rank sends to others also equal the byte model of ``cp-plan
+--explain`` (:func:`cp_core.plan.comm_model.transport_bytes`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def _attend(cfg: dict[str, Any], group: Any, batch: dict[str, torch.Tensor],
     from cp_core.comm.collectives import all_reduce, count_collectives
     from cp_core.comm.mesh import cp_group
     from cp_core.registry import build_sharder
+    from cp_core.runtime.intercept import active_plan
 
     sharder = build_sharder(cfg, group)
     ctx_factory, _ = sharder.shard(batch)
@@ -118,6 +120,7 @@ def _attend(cfg: dict[str, Any], group: Any, batch: dict[str, torch.Tensor],
     ql, kl, vl = (local(t) for t in leaves)
     gl = local(tensors[3])
     with ctx_factory():
+        plan = active_plan()
         with count_collectives() as fwd:
             out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=kind != "bidirectional",
                                                  enable_gqa=True)
@@ -128,7 +131,8 @@ def _attend(cfg: dict[str, Any], group: Any, batch: dict[str, torch.Tensor],
     return {"out": full.transpose(0, 1),
             "grads": [all_reduce(t.grad.clone(), cp_group(group)) for t in leaves],
             "fwd": (fwd.calls, fwd.op_bytes), "bwd": (bwd.calls, bwd.op_bytes),
-            "local_shape": tuple(ql.shape[::2]), "layout": sharder.shard_layout}
+            "local_shape": tuple(ql.shape[::2]), "layout": sharder.shard_layout,
+            "plan": plan}
 
 
 def case_grid(rank: int, world: int, cases: list[tuple[Any, ...]], seed: int = 0
@@ -136,6 +140,8 @@ def case_grid(rank: int, world: int, cases: list[tuple[Any, ...]], seed: int = 0
     """Every case ``(backend, cp, u, kind, extra, hq, hkv)``: errors against the truth and
     the bytes of each collective with the counts derived from the layout."""
     from cp_core.errors import CPConfigError
+    from cp_core.plan.comm_model import AttentionShape, transport_bytes
+    from cp_core.plan.grid import plan_runs
 
     results: list[dict[str, Any] | None] = []
     for backend, size, u, kind, extra, hq, hkv in cases:
@@ -164,8 +170,14 @@ def case_grid(rank: int, world: int, cases: list[tuple[Any, ...]], seed: int = 0
         a2a = b * n * D * es * (2 * hq + 2 * hkv * rep)  # q, k, v there; the output back
         rows = _ring_send_rows(kind, extra, got["layout"], u, rank)
         ring = rows * b * (hkv * rep // u) * 2 * D * es
+        # The byte model of cp-plan --explain (bytes addressed to other ranks: an
+        # all-to-all's own chunk excluded) for this rank.
+        plan = got["plan"]
+        model = transport_bytes("usp", plan.mask.attention_rects(), plan_runs(plan),
+                                AttentionShape(hq, hkv, D, itemsize=es), batch_rows=b,
+                                ulysses_size=u)[rank]
         results.append({"errors": errors, "fwd": got["fwd"], "bwd": got["bwd"],
-                        "want_a2a": a2a, "want_ring": ring})
+                        "want_a2a": a2a, "want_ring": ring, "model": model.total})
     return results
 
 
@@ -200,6 +212,10 @@ def _check(results: list[list[Any]], cases: list[tuple[Any, ...]], tol: float = 
             assert calls.get("isend", 0) <= size // u - 1, (name, rank, calls)
             assert op_bytes["all_to_all"] == res["want_a2a"], (name, rank, op_bytes, res)
             assert op_bytes.get("isend", 0) == res["want_ring"], (name, rank, op_bytes, res)
+            # What the byte model says this rank sends to other ranks, measured: the ring,
+            # and the (u - 1) / u of each all-to-all's input addressed to the other ranks.
+            moved = op_bytes.get("isend", 0) + op_bytes["all_to_all"] * (u - 1) // u
+            assert moved == res["model"], (name, rank, moved, res["model"])
             bcalls, bbytes = res["bwd"]
             assert bcalls.get("all_to_all") == 4, (name, rank, bcalls)
             assert bbytes["all_to_all"] == res["want_a2a"], (name, rank, bbytes, res)

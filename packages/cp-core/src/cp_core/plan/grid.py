@@ -3,8 +3,9 @@
 After the all-to-all inside a Ulysses group, each of its u ranks holds every token of the
 group (the group's ranks' tokens back to back, in rank order) for heads/u heads. Across the
 groups this is a CP of r ranks whose index maps are the groups' runs merged: the needed-only
-p2p schedule (:func:`cp_core.plan.schedule.schedule_from_runs`) is built from them with the
-one mask rule, so every layout and every mask kind is served as the p2p ring serves it.
+p2p schedule (:func:`cp_core.plan.schedule.schedule_from_runs`) is built from them
+(:func:`cp_core.plan.comm_model.group_runs`, which the byte model counts too) with the one mask
+rule, so every layout and every mask kind is served as the p2p ring serves it.
 """
 
 from __future__ import annotations
@@ -12,21 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import numpy as np
-
 from cp_core.placement.runs import RankRuns
+from cp_core.plan.comm_model import group_runs
 from cp_core.plan.record import AttentionPlan
 from cp_core.plan.schedule import P2PSchedule, RingStep, plan_rects, schedule_from_runs
-
-
-def group_runs(runs: RankRuns, ulysses_size: int) -> RankRuns:
-    """The runs of ``runs.size / ulysses_size`` super ranks: super rank ``g`` holds ranks
-    ``g*u .. g*u + u - 1``'s runs back to back, in rank order."""
-    u = ulysses_size
-    r = runs.size // u
-    return RankRuns.build(
-        [np.concatenate(runs.starts[g * u:(g + 1) * u]) for g in range(r)],
-        [np.concatenate(runs.lengths[g * u:(g + 1) * u]) for g in range(r)])
 
 
 def plan_runs(plan: AttentionPlan) -> RankRuns:
@@ -70,4 +60,4 @@ def _addressed(sched: P2PSchedule, peers: Sequence[int] | None) -> P2PSchedule:
     return P2PSchedule(sched.rank, sched.size, sched.local, steps)
 
 
-__all__ = ["group_runs", "plan_runs", "ring_plan"]
+__all__ = ["plan_runs", "ring_plan"]

@@ -29,10 +29,10 @@ import torch
 
 from cp_core.comm.subgroups import GridGroups, PeerGroup, check_split, grid_groups
 from cp_core.errors import CPAttentionError
+from cp_core.plan.comm_model import kv_heads_after_split
 from cp_core.plan.grid import ring_plan
 from cp_core.plan.record import AttentionPlan
 from cp_core.plan.schedule import schedule_for
-from cp_core.runtime.door import check_local_shapes, resolve_causal
 from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.runtime.transports.p2p import P2PTransport
 
@@ -66,22 +66,22 @@ class _SwapShards(torch.autograd.Function):
 
 def kv_repeats(num_heads: int, num_kv_heads: int, ulysses_size: int) -> int:
     """How many times each K/V head is repeated so that the heads split evenly over a
-    Ulysses group of ``ulysses_size`` ranks (1: none); :class:`CPAttentionError` names the
-    head counts found and the u they must split over."""
+    Ulysses group of ``ulysses_size`` ranks (1: none); the rule is the byte model's
+    (:func:`~cp_core.plan.comm_model.kv_heads_after_split`). :class:`CPAttentionError` names
+    the head counts found and the u they must split over."""
     u = ulysses_size
     if num_heads % u:
         raise CPAttentionError(
             f"the usp transport splits attention heads over the cp.ulysses_size={u} ranks of "
             f"a Ulysses group: {num_heads} query heads do not divide by u={u}; choose "
             f"cp.ulysses_size dividing {num_heads} (and the CP size)")
-    if num_kv_heads % u == 0:
-        return 1
-    if u % num_kv_heads == 0:
-        return u // num_kv_heads
-    raise CPAttentionError(
-        f"the usp transport needs key/value heads ({num_kv_heads}) divisible by "
-        f"cp.ulysses_size={u} or u divisible by them (then each is replicated); choose "
-        f"cp.ulysses_size dividing {num_kv_heads} or a multiple of it")
+    carried = kv_heads_after_split(num_heads, num_kv_heads, u)
+    if carried is None:
+        raise CPAttentionError(
+            f"the usp transport needs key/value heads ({num_kv_heads}) divisible by "
+            f"cp.ulysses_size={u} or u divisible by them (then each is replicated); choose "
+            f"cp.ulysses_size dividing {num_kv_heads} or a multiple of it")
+    return carried // num_kv_heads
 
 
 class USPTransport:
@@ -125,9 +125,9 @@ class USPTransport:
 
         ``sinks`` (``[Hq]``): each rank serves its group's head block, so it takes that
         block's sink logits. ``softcap``: the logit soft-cap."""
-        # Every check that can fail runs here, on every rank alike, before any all-to-all.
-        resolve_causal(plan, q, attn_mask, dropout_p, is_causal)
-        check_local_shapes(q, k, v, plan, enable_gqa, sinks=sinks)
+        # The door checked the call (shapes, kind) on every rank; what is left to refuse
+        # (heads that do not split over a group) is refused here, alike on every rank,
+        # before the first exchange.
         grid, ring = self._split(plan)
         u = grid.ulysses_size
         rep = kv_repeats(q.shape[1], k.shape[1], u)
