@@ -264,7 +264,7 @@ def case_same_as(rank: int, world: int, cases: list[tuple[Any, ...]]
 def test_one_rank_groups_are_p2p_and_one_group_is_ulysses_exactly(pool):
     """u = 1 is the p2p transport and u = cp the ulysses transport, bit for bit."""
     cases = [(b, cp, u, other, kind, extra)
-             for cp in (4, 8) for b in ("round_robin", "te_thd")
+             for cp, b in ((4, "round_robin"), (8, "te_thd"))
              for u, other in ((1, "p2p"), (cp, "ulysses"))
              for kind, extra in KINDS[:2]]
     results = pool.run(case_same_as, cases)

@@ -39,11 +39,12 @@ _TAG_A2A = 7
 
 @dataclass(frozen=True)
 class PeerGroup:
-    """Some ranks of a process group, addressed by their ranks in it (``peers[i]`` is member
-    ``i``; this rank is member ``me``). When the members are the whole group, its own
-    collectives serve them."""
+    """Some ranks of a CP mesh, addressed by their ranks in it (``peers[i]`` is member ``i``;
+    this rank is member ``me``). The mesh's process group is looked up when a collective
+    runs, so a split can be planned on a simulated mesh. When the members are the whole
+    group, its own collectives serve them."""
 
-    group: Any
+    mesh: Any
     peers: tuple[int, ...]
     me: int
 
@@ -53,15 +54,16 @@ class PeerGroup:
         return len(self.peers)
 
     @property
-    def whole(self) -> bool:
-        """True when the members are the whole process group, in its rank order."""
-        return self.peers == tuple(range(dist.get_world_size(self.group)))
+    def group(self) -> Any:
+        """The process group the members are addressed in."""
+        return cp_group(self.mesh)
 
     def all_to_all(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Member ``i`` gets ``parts[i]``; returns what each member sent here, in member order
         (equal shapes). Counted as one ``all_to_all`` of every part, as the collective is."""
-        if self.whole:
-            return all_to_all_same_shape(parts, self.group)
+        group = self.group
+        if self.peers == tuple(range(cp_size(self.mesh))):
+            return all_to_all_same_shape(parts, group)
         parts = [t.contiguous() for t in parts]
         outs = [torch.empty_like(parts[0]) for _ in parts]
         outs[self.me] = parts[self.me]
@@ -69,11 +71,9 @@ class PeerGroup:
         works = []
         for i, peer in enumerate(self.peers):
             if i != self.me:
-                works.append(dist.irecv(outs[i], group=self.group, group_src=peer,
-                                        tag=_TAG_A2A))
-                works.append(dist.isend(parts[i], group=self.group, group_dst=peer,
-                                        tag=_TAG_A2A))
-        with peer_failures(self.group, "usp all-to-all"):
+                works.append(dist.irecv(outs[i], group=group, group_src=peer, tag=_TAG_A2A))
+                works.append(dist.isend(parts[i], group=group, group_dst=peer, tag=_TAG_A2A))
+        with peer_failures(group, "usp all-to-all"):
             for w in works:
                 w.wait()
         return outs
@@ -135,12 +135,11 @@ def grid_groups(cp_mesh: Any, ulysses_size: int | None) -> GridGroups:
     u = split_size(cp_mesh, ulysses_size)
     r, (g, j) = size // u, divmod(rank, u)
     if is_cp_grid(cp_mesh):
-        uly = PeerGroup(cp_mesh.get_group(ULYSSES_DIM), tuple(range(u)), j)
-        ring = PeerGroup(cp_mesh.get_group(RING_DIM), tuple(range(r)), g)
+        uly = PeerGroup(cp_mesh[ULYSSES_DIM], tuple(range(u)), j)
+        ring = PeerGroup(cp_mesh[RING_DIM], tuple(range(r)), g)
     else:
-        parent = cp_group(cp_mesh)
-        uly = PeerGroup(parent, tuple(range(g * u, (g + 1) * u)), j)
-        ring = PeerGroup(parent, tuple(range(j, size, u)), g)
+        uly = PeerGroup(cp_mesh, tuple(range(g * u, (g + 1) * u)), j)
+        ring = PeerGroup(cp_mesh, tuple(range(j, size, u)), g)
     return GridGroups(u, r, j, g, uly if u > 1 else None, ring if r > 1 else None)
 
 

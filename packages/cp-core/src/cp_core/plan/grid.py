@@ -25,12 +25,13 @@ def plan_runs(plan: AttentionPlan) -> RankRuns:
     return RankRuns.from_indices(plan.rank_indices) if runs is None else runs
 
 
-def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_group: Any = None,
+def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_mesh: Any = None,
               ring_peers: Sequence[int] | None = None) -> AttentionPlan:
     """``plan`` over the super ranks of groups of ``ulysses_size`` consecutive ranks, as seen
-    by this rank's group. The ring runs over ``ring_group``, where super rank ``s`` is the
-    group's rank ``ring_peers[s]`` (None: ``s``); its schedule is built here, host work once
-    per plan and split (cached on ``plan``). At u = 1 it is ``plan`` itself."""
+    by this rank's group. The ring runs over ``ring_mesh`` (a CP mesh; its group is looked up
+    when the ring runs), where super rank ``s`` is the mesh's rank ``ring_peers[s]`` (None:
+    ``s``); its schedule is built here, host work once per plan and split (cached on
+    ``plan``). At u = 1 it is ``plan`` itself."""
     if ulysses_size == 1:
         return plan
     key = f"usp_ring:{ulysses_size}"
@@ -40,7 +41,7 @@ def ring_plan(plan: AttentionPlan, ulysses_size: int, ring_group: Any = None,
         merged = group_runs(plan_runs(plan), u)
         g = plan.cp_rank // u
         got = dataclasses.replace(
-            plan, cp_mesh=ring_group if merged.size > 1 else None, cp_rank=g,
+            plan, cp_mesh=ring_mesh if merged.size > 1 else None, cp_rank=g,
             cp_size=merged.size, q_index=merged.local_indices(g, plan.q_index.device),
             rank_indices=None, rank_runs=merged, cache={})
         rects = plan_rects(plan)

@@ -102,10 +102,13 @@ class USPTransport:
 
     def _split(self, plan: AttentionPlan) -> tuple[GridGroups, AttentionPlan]:
         """This rank's groups and the ring plan (built once per plan)."""
-        grid = grid_groups(plan.cp_mesh, plan.options.ulysses_size) if plan.cp_size > 1 \
-            else GridGroups(1, 1, 0, 0, None, None)
+        grid = plan.cache.get("usp_grid")
+        if grid is None:
+            grid = grid_groups(plan.cp_mesh, plan.options.ulysses_size) if plan.cp_size > 1 \
+                else GridGroups(1, 1, 0, 0, None, None)
+            plan.cache["usp_grid"] = grid
         ring = grid.ring
-        return grid, ring_plan(plan, grid.ulysses_size, None if ring is None else ring.group,
+        return grid, ring_plan(plan, grid.ulysses_size, None if ring is None else ring.mesh,
                                None if ring is None else ring.peers)
 
     def prepare(self, plan: AttentionPlan) -> None:
