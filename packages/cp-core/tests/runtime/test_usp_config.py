@@ -27,7 +27,8 @@ def test_the_split_is_checked_when_the_sharder_is_built() -> None:
         _build(4, transport="usp")
     with pytest.raises(CPConfigError, match=r"ulysses_size=3 does not divide cp.size=4"):
         _build(4, transport="usp", ulysses_size=3)
-    with pytest.raises(CPConfigError, match=r"ulysses_size=4 does not divide cp.size=6.*\[1, 2, 3, 6\]"):
+    with pytest.raises(CPConfigError,
+                       match=r"ulysses_size=4 does not divide cp.size=6.*\[1, 2, 3, 6\]"):
         build_sharder({"backend": "round_robin", "transport": "usp", "ulysses_size": 4},
                       SimulatedCPMesh(0, 6))
     with pytest.raises(CPConfigError, match=r"read by cp.transport=usp only .*'p2p'"):

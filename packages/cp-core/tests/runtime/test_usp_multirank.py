@@ -314,13 +314,23 @@ def case_grid_mesh(rank: int, world: int, ring: int, u: int) -> dict[str, Any]:
         _rel(a, b) for a, b in zip(on_mesh["grads"], want_grads)]
     same = torch.equal(on_mesh["out"], flat["out"]) and all(
         torch.equal(a, b) for a, b in zip(on_mesh["grads"], flat["grads"]))
-    return {"errors": errors, "same": same, "calls": on_mesh["fwd"][0]}
+    from cp_core.errors import CPConfigError
+    from cp_core.registry import build_sharder
+
+    try:  # a cp.ulysses_size the mesh's dims contradict
+        build_sharder({**cfg, "ulysses_size": 2 * u}, mesh)
+        refused = None
+    except CPConfigError as exc:
+        refused = str(exc)
+    return {"errors": errors, "same": same, "calls": on_mesh["fwd"][0], "refused": refused}
 
 
 def test_a_2d_cp_mesh_splits_as_its_dims_say(pool):
     for res in pool.run(case_grid_mesh, 4, 2):
         assert max(res["errors"]) <= 1e-5 and res["same"], res
         assert res["calls"]["all_to_all"] == 4 and res["calls"].get("isend", 0) <= 3, res
+        assert "cp.ulysses_size=4 but the 2-D CP mesh has 2 ranks on its 'cp_ulysses' dim" \
+            in res["refused"], res
 
 
 @pytest.mark.parametrize("cp,u", [(4, 2), (8, 4)], ids=["2x2", "4x2"])
