@@ -18,7 +18,7 @@ EXPECTED_EXPORTS = {
 EXPECTED_CONFIG_KEYS = {
     "backend", "size", "padding_token_id", "attention", "window", "chunk", "pad_multiple",
     "block_size", "sequence_parallel", "verify_layout", "attn_block_budget_mb",
-    "attn_regather_kv", "transport",
+    "attn_regather_kv", "transport", "ulysses_size",
 }
 
 

@@ -60,7 +60,11 @@ class CPBackendConfig(BaseModel):
     transport: str = "p2p"
     """Attention transport serving SDPA inside the sharder's context (entry-point group
     ``cp_core.transports``): ``p2p`` (needed-only K/V, fused kernels), ``ulysses`` (all-to-all
-    to head-sharded) or ``allgather`` (the reference: every rank's K/V, blocked kernel)."""
+    to head-sharded), ``usp`` (Ulysses inside groups of ``ulysses_size`` ranks, the p2p ring
+    across them) or ``allgather`` (the reference: every rank's K/V, blocked kernel)."""
+    ulysses_size: int | None = Field(None, ge=1, le=MAX_CP_SIZE)
+    """``usp`` transport: ranks of one Ulysses group (u consecutive CP ranks; a divisor of
+    the CP size, heads split over them); the ring runs across the cp / u groups."""
     attn_block_budget_mb: float = Field(64.0, ge=MIN_BLOCK_BUDGET_MB)
     """Largest local score matrix (MiB, fp32) the transport builds at once before switching to
     blocked online-softmax attention."""
@@ -76,6 +80,21 @@ class CPBackendConfig(BaseModel):
         if name not in available_transports():
             raise ValueError(f"unknown transport {name!r}; installed: {list(available_transports())}")
         return name
+
+    @model_validator(mode="after")
+    def _check_ulysses_size(self) -> "CPBackendConfig":
+        # Read by the usp transport only: set for another one, it would be silently ignored.
+        if self.ulysses_size is not None and self.transport != "usp":
+            raise ValueError(
+                f"cp.ulysses_size={self.ulysses_size} is read by cp.transport=usp only (the "
+                f"transport is {self.transport!r}); set cp.transport=usp or drop it")
+        if self.ulysses_size is not None and self.size is not None \
+                and self.size % self.ulysses_size:
+            divisors = [d for d in range(1, self.size + 1) if self.size % d == 0]
+            raise ValueError(
+                f"cp.ulysses_size={self.ulysses_size} does not divide cp.size={self.size}; "
+                f"it must be one of {divisors}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -113,13 +132,20 @@ class CPBackendConfig(BaseModel):
         return self
 
     def check_mesh(self, cp_mesh: Any) -> None:
-        """Raise :class:`CPConfigError` when ``size`` is set and the mesh's CP size differs."""
+        """Raise :class:`CPConfigError` when ``size`` is set and the mesh's CP size differs, or
+        when ``cp.transport=usp`` and ``cp.ulysses_size`` does not split the mesh."""
         actual = cp_size(cp_mesh)
         if self.size is not None and actual != self.size:
             raise CPConfigError(
                 f"cp.size={self.size} but the CP mesh has {actual} rank(s); set cp.size={actual} "
                 "or build the mesh with the configured size"
             )
+        if self.transport == "usp":
+            # The split is checked where the mesh is known, so a missing or wrong
+            # cp.ulysses_size is refused when the sharder is built, not inside the forward.
+            from cp_core.comm.subgroups import split_size
+
+            split_size(cp_mesh, self.ulysses_size)
 
     def common_shard_kwargs(self, tp_mesh: Any = None) -> dict[str, Any]:
         """Keyword arguments of the framework ``shard_batch`` functions taken from this config."""
@@ -133,7 +159,8 @@ class CPBackendConfig(BaseModel):
             "chunk": self.chunk,
             "transport_options": TransportOptions(
                 block_budget_bytes=int(self.attn_block_budget_mb * 2**20),
-                regather_kv=self.attn_regather_kv, transport=self.transport),
+                regather_kv=self.attn_regather_kv, transport=self.transport,
+                ulysses_size=self.ulysses_size),
         }
 
 

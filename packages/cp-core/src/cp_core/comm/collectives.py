@@ -25,6 +25,8 @@ class CommStats:
 
     calls: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
+    op_bytes: dict[str, int] = field(default_factory=dict)
+    """``bytes_sent`` per kind of collective."""
 
     @property
     def total_calls(self) -> int:
@@ -35,6 +37,7 @@ class CommStats:
         """Count one collective of kind ``op`` that sent ``nbytes`` from this rank."""
         self.calls[op] = self.calls.get(op, 0) + 1
         self.bytes_sent += int(nbytes)
+        self.op_bytes[op] = self.op_bytes.get(op, 0) + int(nbytes)
 
 
 _counters: ThreadStack[CommStats] = ThreadStack()

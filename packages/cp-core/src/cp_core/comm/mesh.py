@@ -79,11 +79,24 @@ def _is_device_mesh(mesh: Any) -> bool:
     return isinstance(mesh, DeviceMesh)
 
 
+#: Dim names of a 2-D CP mesh (``cp.transport=usp``): rings across, Ulysses groups inside.
+#: CP rank ``g * u + j`` is coordinate ``(g, j)``, so a Ulysses group is u consecutive ranks.
+RING_DIM, ULYSSES_DIM = "cp_ring", "cp_ulysses"
+
+
+def is_cp_grid(mesh: Any) -> bool:
+    """True for a 2-D ``DeviceMesh`` whose dims are named ``(RING_DIM, ULYSSES_DIM)``: the CP
+    mesh of the ``usp`` transport, flattened in row-major order everywhere else."""
+    return _is_device_mesh(mesh) and mesh.ndim == 2 and \
+        tuple(mesh.mesh_dim_names or ()) == (RING_DIM, ULYSSES_DIM)
+
+
 def _check_1d(mesh: Any) -> None:
-    if getattr(mesh, "ndim", 1) != 1:
+    if getattr(mesh, "ndim", 1) != 1 and not is_cp_grid(mesh):
         raise CPConfigError(
-            f"cp_mesh must be a 1-D DeviceMesh (slice the CP dimension, e.g. mesh['cp']), "
-            f"got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}"
+            f"cp_mesh must be a 1-D DeviceMesh (slice the CP dimension, e.g. mesh['cp']) or a "
+            f"2-D one with dims ({RING_DIM!r}, {ULYSSES_DIM!r}) (cp.transport=usp), got a "
+            f"{mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}"
         )
 
 
@@ -112,6 +125,9 @@ def cp_rank(cp_mesh: Any) -> int:
         return cp_mesh.rank
     if _is_device_mesh(cp_mesh):
         _check_1d(cp_mesh)
+        if is_cp_grid(cp_mesh):
+            ring, uly = (int(cp_mesh.get_local_rank(d)) for d in (RING_DIM, ULYSSES_DIM))
+            return ring * int(cp_mesh.size(1)) + uly
         return int(cp_mesh.get_local_rank())
     if isinstance(cp_mesh, dist.ProcessGroup):
         return int(dist.get_rank(cp_mesh))
@@ -141,10 +157,22 @@ def cp_group(cp_mesh: Any) -> dist.ProcessGroup | None:
             "transport) need a real DeviceMesh or ProcessGroup"
         )
     if _is_device_mesh(cp_mesh):
-        return cp_mesh.get_group()
+        return _grid_group(cp_mesh) if is_cp_grid(cp_mesh) else cp_mesh.get_group()
     if isinstance(cp_mesh, dist.ProcessGroup):
         return cp_mesh
     return _duck_group(cp_mesh)
+
+
+def _grid_group(mesh: Any) -> dist.ProcessGroup:
+    """The group of every rank of a 2-D CP mesh, group rank == row-major CP rank: the mesh's
+    own flattened dim (``DeviceMesh._flatten``; created by every rank of the mesh the first
+    time, as the mesh's groups were, or beforehand by the caller)."""
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if ranks != sorted(ranks):
+        raise CPConfigError(
+            f"a 2-D CP mesh must number its ranks in row-major order ({RING_DIM}, "
+            f"{ULYSSES_DIM}) with increasing global ranks; got {mesh.mesh.tolist()}")
+    return mesh._flatten().get_group()
 
 
 def _duck_group(cp_mesh: Any) -> dist.ProcessGroup:
@@ -188,5 +216,5 @@ def describe_mesh(cp_mesh: Any) -> str:
     return f"{type(cp_mesh).__name__}(rank={cp_rank(cp_mesh)}, size={cp_size(cp_mesh)})"
 
 
-__all__ = ["SimulatedCPMesh", "CPMeshLike", "cp_size", "cp_rank", "cp_group", "can_communicate",
-           "describe_mesh"]
+__all__ = ["SimulatedCPMesh", "CPMeshLike", "RING_DIM", "ULYSSES_DIM", "is_cp_grid", "cp_size",
+           "cp_rank", "cp_group", "can_communicate", "describe_mesh"]

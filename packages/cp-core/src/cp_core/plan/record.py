@@ -164,6 +164,8 @@ class TransportOptions:
     """The all-gather transport gathers K/V again in backward instead of saving them."""
     kernel: str = "auto"
     """The fused-kernel choice of the p2p transport."""
+    ulysses_size: int | None = None
+    """``cp.ulysses_size``: ranks of one Ulysses group of the ``usp`` transport (cp = u x r)."""
 
     @classmethod
     def of(cls, value: "TransportOptions | Mapping[str, Any] | None") -> "TransportOptions":

@@ -17,8 +17,9 @@ sliding-window mask is resolved into it) and dropout is refused. A transport nee
 cp-core's do not) check again.
 
 cp-core registers ``allgather`` (the reference: every rank's K/V, blocked kernel), ``p2p``
-(the default: needed-only K/V peer by peer, fused kernels) and ``ulysses`` (all-to-all to
-head parallelism). Third-party packages add theirs under the same group;
+(the default: needed-only K/V peer by peer, fused kernels), ``ulysses`` (all-to-all to
+head parallelism) and ``usp`` (Ulysses inside groups of ``cp.ulysses_size`` ranks, the p2p
+ring across them). Third-party packages add theirs under the same group;
 ``cp.transport=<name>`` selects one, and nothing branches on the name. They load through the
 one plugin loader (:class:`cp_core.plugins.EntryPointGroup`), the backends' rules, and the
 transport protocol is checked at load (:func:`check_transport`).
@@ -44,6 +45,7 @@ _BUILTIN: dict[str, str] = {
     "allgather": "cp_core.runtime.transports.allgather:allgather_sdpa",
     "p2p": "cp_core.runtime.transports.p2p:p2p_sdpa",
     "ulysses": "cp_core.runtime.transports.ulysses:ulysses_sdpa",
+    "usp": "cp_core.runtime.transports.usp:usp_sdpa",
 }
 
 #: Keywords of the transport call (torch's SDPA arguments after q, k, v).
