@@ -94,9 +94,9 @@ from cp_core.placement.layout import (
     IndexFn,
     ShardLayout,
     contiguous_local_indices,
-    lcm,
     round_up,
 )
+from cp_core.placement.padding import lcm
 from cp_core.comm.mesh import SimulatedCPMesh, cp_group, cp_rank, cp_size
 from cp_core.placement.padding import (
     contiguous_divisor,
