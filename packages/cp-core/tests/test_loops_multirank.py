@@ -18,11 +18,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from cp_core.datasets import make_packed_batch
-from cp_core.testing.loops import FORMS, apply_checkpointing, relative_errors, run_loop
+from cp_core.testing.loops import (FORMS, apply_checkpointing, logits_forward, loop_truth,
+                                   packed_micro_batches, relative_errors, run_loop,
+                                   tiny_decoder, tiny_llama)
 from cp_core.testing.multirank import RankPool
-from cp_core.testing.reference_model import ReferenceDecoder
-from cp_core.testing.truth import per_document_step, truth_step
 
 pytestmark = pytest.mark.multirank
 
@@ -32,43 +31,12 @@ BACKENDS = ["round_robin", "contiguous", "te_thd", "magi", "blockdiag"]
 
 
 def _batches(n: int) -> list[dict[str, Any]]:
-    return [make_packed_batch(DOCS[i], vocab=64, seed=21 + i, pad_to=SEQ) for i in range(n)]
-
-
-def _reference_model() -> ReferenceDecoder:
-    return ReferenceDecoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                            num_kv_heads=2, intermediate_size=64, seed=4)
-
-
-def _hf_model(impl: str) -> Any:
-    import transformers
-
-    import cp_core.hf  # noqa: F401  registers "cp"
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, use_cache=False,
-                                   attn_implementation=impl)
-    torch.manual_seed(0)  # the same weights on every rank and for the truth
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _forward(model: Any, local: dict[str, Any]) -> torch.Tensor:
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-    return getattr(out, "logits", out)
+    return packed_micro_batches(DOCS[:n], SEQ, seed=21)
 
 
 @functools.lru_cache(maxsize=None)
 def _truth(kind: str, n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, grads = [], {}
-    for batch in _batches(n):
-        if kind == "hf":
-            loss, g = per_document_step(_hf_model("sdpa"), batch)
-        else:
-            loss, g = truth_step(_reference_model(), batch)
-        losses.append(loss)
-        grads = {k: grads.get(k, 0) + v for k, v in g.items()}
-    return losses, grads
+    return loop_truth(kind, _batches(n), decoder_seed=4)
 
 
 def _loop(rank: int, world: int, kind: str, form: str, backward: str, n: int, backend: str
@@ -79,9 +47,9 @@ def _loop(rank: int, world: int, kind: str, form: str, backward: str, n: int, ba
 
     if kind == "hf":
         pytest.importorskip("transformers")
-    model = apply_checkpointing(_hf_model("cp") if kind == "hf" else _reference_model(), form)
+    model = apply_checkpointing(tiny_llama("cp") if kind == "hf" else tiny_decoder(4), form)
     sharder = build_sharder({"backend": backend, "size": world}, dist.group.WORLD)
-    got = run_loop(model, sharder, _batches(n), forward=_forward, backward=backward,
+    got = run_loop(model, sharder, _batches(n), forward=logits_forward, backward=backward,
                    group=dist.group.WORLD)
     return {"losses": got.losses, "grads": got.grads} if rank == 0 else None
 
@@ -177,7 +145,7 @@ def _score_then_train(rank: int, world: int, backend: str, transport: str, fresh
 
     from cp_core.registry import build_sharder
 
-    model = _reference_model()
+    model = tiny_decoder(4)
     sharder = build_sharder({"backend": backend, "size": world, "transport": transport},
                             dist.group.WORLD)
     batch = _batches(1)[0]
@@ -185,11 +153,11 @@ def _score_then_train(rank: int, world: int, backend: str, transport: str, fresh
         with torch.inference_mode():
             ctx, local = sharder.shard(batch)
             with ctx():
-                _forward(model, local)
+                logits_forward(model, local)
     ctx, local = sharder.shard(batch)
     with torch.inference_mode(), ctx():
-        _forward(model, local)
-    got = run_loop(model, sharder, [batch], forward=_forward, group=dist.group.WORLD)
+        logits_forward(model, local)
+    got = run_loop(model, sharder, [batch], forward=logits_forward, group=dist.group.WORLD)
     return {"losses": got.losses, "grads": got.grads} if rank == 0 else None
 
 

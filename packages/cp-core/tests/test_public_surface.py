@@ -49,7 +49,7 @@ EXPECTED_BACKEND_API = {
     "without_document_keys",
     # the one shard pipeline
     "ShardOptions", "StaticLayout", "static_backend", "static_sharder", "shard_static",
-    "finish_shard",
+    "finish_shard", "shard_plan",
 }
 
 

@@ -10,7 +10,8 @@ from cp_blockdiag.batch import (
     make_contiguous_aux_only_batch_and_ctx,
 )
 from cp_blockdiag.config import BlockDiagConfig
-from cp_core.backend_api import Backend, ContextParallelSharder, contiguous_local_indices
+from cp_core.backend_api import (Backend, ContextParallelSharder, ShardOptions,
+                                 contiguous_local_indices)
 
 
 def make_sharder(cfg: BlockDiagConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
@@ -18,7 +19,8 @@ def make_sharder(cfg: BlockDiagConfig, cp_mesh: Any, tp_mesh: Any = None) -> Con
     when ``cfg.aux_only``) and whose context serves SDPA per document."""
     fn = make_contiguous_aux_only_batch_and_ctx if cfg.aux_only else make_blockdiag_batch_and_ctx
     return ContextParallelSharder(
-        shard_batch=partial(fn, **cfg.shard_kwargs(tp_mesh)),
+        shard_batch=partial(fn, options=ShardOptions.from_config(cfg, tp_mesh),
+                            exchange=cfg.exchange),
         local_token_global_indices=contiguous_local_indices, cp_mesh=cp_mesh, tp_mesh=tp_mesh,
         padding_token_id=cfg.padding_token_id, verify_layout=cfg.verify_layout,
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -40,17 +40,15 @@ from cp_core.backend_api import (
     contiguous_local_indices,
     cp_rank,
     cp_size,
-    make_plan,
     normalize_batch,
-    per_chunk_multiple,
     per_rank_divisor,
     resolve_documents,
+    ShardOptions,
+    ShardResult,
     shard_normalized,
+    shard_plan,
     without_document_keys,
 )
-
-ShardResult = tuple[Callable[[], ContextManager[Any]], dict[str, Any], ShardLayout]
-
 
 def _check_options(exchange: str, attention: str) -> None:
     if exchange not in EXCHANGES:
@@ -97,15 +95,16 @@ def _documents_mask_and_need(docs: Documents, length: int, cp: int, *,
 
 
 def _finish(nb: Any, cp_mesh: Any, docs: Documents, out: dict[str, Any],
-            layout: ShardLayout, *, exchange: str, attention: AttentionKind,
-            window: int | None, chunk: int | None,
-            transport_options: Mapping[str, Any] | None) -> ShardResult:
+            layout: ShardLayout, options: ShardOptions, exchange: str) -> ShardResult:
+    """cp-core's end of a shard (the plan of the documents' mask), with the step's K/V route
+    as the transport and the blockdiag state as the context."""
     size = cp_size(cp_mesh)
     mask, need = _documents_mask_and_need(docs, int(layout.padded_seq_len or nb.seq_len), size,
-                                          attention=attention, window=window, chunk=chunk)
+                                          attention=options.attention, window=options.window,
+                                          chunk=options.chunk)
     route = need.route(cp_rank(cp_mesh), exchange, nb.primary.device)
-    plan = make_plan(cp_mesh, layout, mask, attention=attention,
-                     transport=RoutedTransport(route), options=transport_options)
+    plan = shard_plan(cp_mesh, docs, layout, options.replace(transport=RoutedTransport(route)),
+                      seq_len=nb.seq_len, mask=mask)
     layout = dataclasses.replace(layout, extras={"exchange": route.exchange,
                                                  "document_source": docs.source})
     state = BlockDiagState(plan, route)
@@ -114,13 +113,9 @@ def _finish(nb: Any, cp_mesh: Any, docs: Documents, out: dict[str, Any],
 
 def make_blockdiag_batch_and_ctx(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any],
-    loss_mask: torch.Tensor | None = None, padding_token_id: int = 0, *,
-    exchange: str = "auto", pad_multiple: int = 1, tp_size: int = 1,
-    sequence_parallel: bool = False, block_size: int = 1, attention: AttentionKind = "causal",
-    window: int | None = None, chunk: int | None = None,
-    transport_options: Mapping[str, Any] | None = None,
-    extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None, aux_only: bool = False,
+    loss_mask: torch.Tensor | None = None, padding_token_id: int | None = None, *,
+    options: ShardOptions | None = None, exchange: str = "auto", aux_only: bool = False,
+    **shard_options: Any,
 ) -> ShardResult:
     """Contiguously shard a (pre-embedded) packed batch for block-diagonal CP.
 
@@ -130,12 +125,14 @@ def make_blockdiag_batch_and_ctx(
         batch: ``inputs_embeds [B, S, H]`` (or ``input_ids [B, S]``) plus token-aligned keys;
             documents from ``_packed_seq_ids``, a 4-D block-causal or 2-D ``attention_mask``.
         loss_mask: optional ``[B, S]`` per-token loss weight; padded with 0 and sharded.
-        padding_token_id: fill of ``input_ids`` pad slots.
+        padding_token_id: fill of ``input_ids`` pad slots (default: ``options``').
+        options: the shard options every backend shares (cp_core ``ShardOptions``:
+            ``pad_multiple`` / ``tp_size`` / ``sequence_parallel`` / ``block_size``, the
+            per-rank length multiples; ``attention`` / ``window`` / ``chunk``, causal per
+            document or sliding-window / chunked within it; ``transport_options``;
+            ``extra_seq_keys`` / ``extra_pad_values``, more token-aligned keys and their
+            fills). Any of them may also be given by keyword (``**shard_options``).
         exchange: ``auto``, ``allgather``, ``halo`` or ``a2a`` (see :mod:`cp_blockdiag.routing`).
-        pad_multiple / tp_size / sequence_parallel / block_size: per-rank length multiples.
-        attention / window / chunk: causal per document, or sliding-window / chunked within it.
-        transport_options: e.g. ``{"block_budget_bytes": ...}`` for the attention kernel.
-        extra_seq_keys / extra_pad_values: more token-aligned keys (seq dim) and their fills.
         aux_only: leave the primary stream full length
             (:func:`make_contiguous_aux_only_batch_and_ctx`).
 
@@ -144,25 +141,24 @@ def make_blockdiag_batch_and_ctx(
         (True == pad) added, every token-aligned tensor this rank's chunk; entering
         ``ctx_factory()`` routes SDPA calls to :func:`cp_blockdiag.cp_blockdiag_sdpa`.
     """
-    _check_options(exchange, attention)
-    nb, docs = _prepare(batch, loss_mask, extra_seq_keys, synthesize_seq_ids=aux_only)
-    m = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
-                           sequence_parallel=sequence_parallel, block_size=block_size)
+    opts = ShardOptions.of(options, padding_token_id, **shard_options)
+    _check_options(exchange, opts.attention)
+    nb, docs = _prepare(batch, loss_mask, opts.extra_seq_keys, synthesize_seq_ids=aux_only)
     size = cp_size(cp_mesh)
     # Aux-only pads as the in-forward slice does, CP size 1 included (there it is the
     # per-chunk multiple alone), or labels and logits would differ in length.
+    m = opts.per_chunk()
     divisor = contiguous_divisor(size, m) if aux_only else per_rank_divisor(size, m)
     out, layout = shard_normalized(nb, cp_mesh, contiguous_local_indices, divisor,
-                                   padding_token_id=padding_token_id, shard_primary=not aux_only,
-                                   extra_pad_values=extra_pad_values)
-    return _finish(nb, cp_mesh, docs, out, layout, exchange=exchange,
-                   attention=attention, window=window, chunk=chunk,
-                   transport_options=transport_options)
+                                   padding_token_id=opts.padding_token_id,
+                                   shard_primary=not aux_only,
+                                   extra_pad_values=opts.extra_pad_values)
+    return _finish(nb, cp_mesh, docs, out, layout, opts, exchange)
 
 
 def make_contiguous_aux_only_batch_and_ctx(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any],
-    loss_mask: torch.Tensor | None = None, padding_token_id: int = 0, **kwargs: Any,
+    loss_mask: torch.Tensor | None = None, padding_token_id: int | None = None, **kwargs: Any,
 ) -> ShardResult:
     """Aux-only contiguous shard: the primary stream (and any key not token-aligned, e.g.
     ``pixel_values``) stays full length; ``labels``, ``position_ids``, ``loss_mask``,

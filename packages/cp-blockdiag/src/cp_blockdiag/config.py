@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import model_validator
 
@@ -43,10 +43,6 @@ class BlockDiagConfig(CPBackendConfig):
                 "needs another backend (e.g. cp=contiguous)"
             )
         return self
-
-    def shard_kwargs(self, tp_mesh: Any = None) -> dict[str, Any]:
-        """Keyword arguments of the blockdiag batch-prep functions taken from this config."""
-        return {**self.common_shard_kwargs(tp_mesh), "exchange": self.exchange}
 
 
 __all__ = ["BlockDiagConfig"]

@@ -84,6 +84,7 @@ from cp_core.pipeline import (
     make_plan,
     make_transport_ctx,
     normalize_with_documents,
+    shard_plan,
     shard_static,
     static_backend,
     static_sharder,
@@ -93,9 +94,9 @@ from cp_core.placement.layout import (
     IndexFn,
     ShardLayout,
     contiguous_local_indices,
-    lcm,
     round_up,
 )
+from cp_core.placement.padding import lcm
 from cp_core.comm.mesh import SimulatedCPMesh, cp_group, cp_rank, cp_size
 from cp_core.placement.padding import (
     contiguous_divisor,
@@ -126,7 +127,7 @@ __all__ = [
     "Backend", "CPBackendConfig", "ContextParallelSharder", "ShardLayout", "RankRuns", "CtxFactory",
     "ShardResult", "IndexFn", "FlatStreamConfig", "ShardOptions", "StaticLayout",
     # the one shard pipeline
-    "static_backend", "static_sharder", "shard_static", "finish_shard",
+    "static_backend", "static_sharder", "shard_static", "finish_shard", "shard_plan",
     # mesh
     "SimulatedCPMesh", "cp_rank", "cp_size", "cp_group",
     # batch normaliser and resolvers

@@ -75,6 +75,22 @@ class ShardOptions:
         values.update(overrides)
         return cls(**values)
 
+    @classmethod
+    def of(cls, options: "ShardOptions | None" = None, padding_token_id: int | None = None,
+           **fields: Any) -> "ShardOptions":
+        """The options of one ``shard_batch`` call: ``options`` (default: every field's
+        default), the call's ``padding_token_id`` when given, and any field given by keyword
+        (a sharder called directly with ``pad_multiple=4``, ``attention="chunked"``, ...)."""
+        base = cls() if options is None else options
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise CPConfigError(
+                f"unknown shard option(s) {unknown}; the shard options are "
+                f"{[f.name for f in dataclasses.fields(cls)]}")
+        if padding_token_id is not None:
+            fields["padding_token_id"] = padding_token_id
+        return base.replace(**fields) if fields else base
+
     def per_chunk(self) -> int:
         """The multiple every layout chunk is padded to (user, TP and kernel block multiples)."""
         return per_chunk_multiple(pad_multiple=self.pad_multiple, tp_size=self.tp_size,
@@ -165,15 +181,25 @@ def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
 
 
 def finish_shard(cp_mesh: Any, docs: Documents, out: dict[str, Any], layout: ShardLayout,
-                 options: ShardOptions, *, seq_len: int) -> ShardResult:
+                 options: ShardOptions, *, seq_len: int, mask: Any = None) -> ShardResult:
     """The end of every shard: the documents' mask over the padded stream, the plan, the
-    context factory. ``seq_len`` is the caller's length (used when the layout did not pad)."""
-    mask = build_document_mask(docs, layout.padded_seq_len or seq_len,
-                               attention=options.attention, window=options.window,
-                               chunk=options.chunk)
-    plan = make_plan(cp_mesh, layout, mask, attention=options.attention,
-                     transport=options.transport, options=options.transport_options)
+    context factory. ``seq_len`` is the caller's length (used when the layout did not pad).
+    ``mask``: a backend's own token mask of the same documents (its rectangles, its stream)
+    instead of the :class:`DocumentMask` built here."""
+    plan = shard_plan(cp_mesh, docs, layout, options, seq_len=seq_len, mask=mask)
     return make_transport_ctx(plan), out, layout
+
+
+def shard_plan(cp_mesh: Any, docs: Documents, layout: ShardLayout, options: ShardOptions, *,
+               seq_len: int, mask: Any = None) -> AttentionPlan:
+    """The attention plan :func:`finish_shard` builds (for a backend whose context does
+    more than activate the plan)."""
+    if mask is None:
+        mask = build_document_mask(docs, layout.padded_seq_len or seq_len,
+                                   attention=options.attention, window=options.window,
+                                   chunk=options.chunk)
+    return make_plan(cp_mesh, layout, mask, attention=options.attention,
+                     transport=options.transport, options=options.transport_options)
 
 
 def shard_static(layout: StaticLayout, options: ShardOptions, cp_mesh: Any,
@@ -246,6 +272,7 @@ def static_backend(name: str, config_model: type, layout_of: Callable[[Any], Sta
 
 
 __all__ = ["ShardOptions", "StaticLayout", "StaticShard", "shard_static", "finish_shard",
+           "shard_plan",
            "static_sharder", "static_backend",
            "normalize_with_documents", "build_document_mask", "make_plan", "make_transport_ctx",
            "CtxFactory", "ShardResult"]

@@ -41,7 +41,7 @@ from cp_core.placement.tokens import (
     no_layout_for_gather_error,
     shard_token_tensor_by_indices,
 )
-from cp_core.steps import ShardStep, StepTracker, choose_layout, local_rows
+from cp_core.steps import StepTracker, choose_layout
 
 ShardBatchFn = Callable[..., tuple[Callable[[], Any], dict[str, Any], "ShardLayout | None"]]
 IndexFn = Callable[..., torch.Tensor]
@@ -164,14 +164,9 @@ class ContextParallelSharder:
         self.shard_layout = layout
         if self.rows and layout is not None and layout.input_row_shape is not None:
             out = flat_batch_as_rows(out, layout.num_local_tokens)
-        step = None
-        if ctx_factory is not contextlib.nullcontext:
-            if can_communicate(self.cp_mesh):
-                ctx_factory = recording_ctx(ctx_factory)  # an error in the step names this rank
-            ctx_factory = step = ShardStep(ctx_factory, self, layout, local_rows(out))
-        self._tracker().note(step, layout)
-        self._tracker().tag(out, layout)
-        return ctx_factory, out
+        if ctx_factory is not contextlib.nullcontext and can_communicate(self.cp_mesh):
+            ctx_factory = recording_ctx(ctx_factory)  # an error in the step names this rank
+        return self._tracker().record(ctx_factory, self, layout, out), out
 
     @recorded
     def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1,

@@ -115,6 +115,18 @@ class StepTracker:
         if step is not None:
             self._steps.append(weakref.ref(step))
 
+    def record(self, ctx_factory: Any, sharder: Any, layout: ShardLayout | None,
+               out: Any) -> Any:
+        """Record one shard: its step (a :class:`ShardStep` around ``ctx_factory``, unless
+        the shard has no attention work: ``contextlib.nullcontext``), its layout, and the
+        local tensors ``out`` it handed out. Returns the context factory to give the caller."""
+        step = None
+        if ctx_factory is not contextlib.nullcontext:
+            ctx_factory = step = ShardStep(ctx_factory, sharder, layout, local_rows(out))
+        self.note(step, layout)
+        self.tag(out, layout)
+        return ctx_factory
+
     def held(self) -> list[ShardStep]:
         """The steps of this sharder still referenced by the caller, oldest first."""
         return [s for s in (ref() for ref in self._steps) if s is not None]

@@ -19,59 +19,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_core.datasets import make_packed_batch
 from cp_core.errors import CPCheckpointError
-from cp_core.testing.loops import FORMS, apply_checkpointing, relative_errors, run_loop
+from cp_core.testing.loops import (FORMS, apply_checkpointing, logits_forward, loop_truth,
+                                   packed_micro_batches, relative_errors, run_loop,
+                                   tiny_decoder, tiny_llama)
 from cp_core.testing.parity import identity_sharder
-from cp_core.testing.reference_model import ReferenceDecoder
-from cp_core.testing.truth import per_document_step, truth_step
 
 DOCS = [[[5, 7, 3], [9, 6]], [[4, 11], [8, 2, 4]]]  # two micro-batches' documents per row
 SEQ = 16
 
 
 def _batches(n: int) -> list[dict[str, Any]]:
-    return [make_packed_batch(DOCS[i], vocab=64, seed=11 + i, pad_to=SEQ) for i in range(n)]
-
-
-def _reference_model() -> ReferenceDecoder:
-    return ReferenceDecoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                            num_kv_heads=2, intermediate_size=64, seed=3)
+    return packed_micro_batches(DOCS[:n], SEQ, seed=11)
 
 
 def _hf_model(impl: str) -> Any:
-    transformers = pytest.importorskip("transformers")
-    import cp_core.hf  # noqa: F401  registers "cp"
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, use_cache=False,
-                                   attn_implementation=impl)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _forward(model: Any, local: dict[str, Any]) -> torch.Tensor:
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-    return getattr(out, "logits", out)
+    pytest.importorskip("transformers")
+    return tiny_llama(impl)
 
 
 @functools.lru_cache(maxsize=None)
 def _truth(kind: str, n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per micro-batch losses and the summed gradients, without any project code."""
-    losses, grads = [], {}
-    for batch in _batches(n):
-        if kind == "hf":
-            loss, g = per_document_step(_hf_model("sdpa"), batch)
-        else:
-            loss, g = truth_step(_reference_model(), batch)
-        losses.append(loss)
-        grads = {k: grads.get(k, 0) + v for k, v in g.items()}
-    return losses, grads
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    return loop_truth(kind, _batches(n), decoder_seed=3)
 
 
 def _model(kind: str) -> Any:
-    return _hf_model("cp") if kind == "hf" else _reference_model()
+    return _hf_model("cp") if kind == "hf" else tiny_decoder(3)
 
 
 # The CP=2 matrix (test_loops_multirank.py) runs every form with backward inside and after
@@ -82,7 +58,8 @@ def _model(kind: str) -> Any:
 def test_checkpointed_loops_match_the_truth(form: str, kind: str, n: int = 2,
                                             backward: str = "thread") -> None:
     model = apply_checkpointing(_model(kind), form)
-    got = run_loop(model, identity_sharder(), _batches(n), forward=_forward, backward=backward)
+    got = run_loop(model, identity_sharder(), _batches(n), forward=logits_forward,
+                   backward=backward)
     loss_err, grad_err = relative_errors(got, *_truth(kind, n))
     assert loss_err <= 1e-5 and grad_err <= 1e-4, (loss_err, grad_err)
 
@@ -98,7 +75,7 @@ def test_checkpoint_context_is_the_documented_form() -> None:
 
     fn = functools.partial(recompute.checkpoint_context, inner=functools.partial(
         create_selective_checkpoint_contexts, selective_policy))
-    model = _reference_model()
+    model = tiny_decoder(3)
 
     class Layer(torch.nn.Module):
         def __init__(self, inner: torch.nn.Module) -> None:
@@ -113,7 +90,7 @@ def test_checkpoint_context_is_the_documented_form() -> None:
     original = recompute._hook_frame
     recompute._hook_frame = lambda pack: None  # a torch whose checkpoint frames look different
     try:
-        got = run_loop(model, identity_sharder(), _batches(2), forward=_forward,
+        got = run_loop(model, identity_sharder(), _batches(2), forward=logits_forward,
                        backward="thread")
     finally:
         recompute._hook_frame = original
@@ -126,12 +103,12 @@ def test_unrecognised_checkpoint_internals_are_refused_in_the_forward() -> None:
     naming the form that works, before any number is produced."""
     from cp_core.runtime import recompute
 
-    model = apply_checkpointing(_reference_model(), "non_reentrant")
+    model = apply_checkpointing(tiny_decoder(3), "non_reentrant")
     original = recompute._hook_frame
     recompute._hook_frame = lambda pack: None
     try:
         with pytest.raises(CPCheckpointError, match="context_fn=cp_core.checkpoint_context"):
-            run_loop(model, identity_sharder(), _batches(1), forward=_forward)
+            run_loop(model, identity_sharder(), _batches(1), forward=logits_forward)
     finally:
         recompute._hook_frame = original
 
@@ -198,11 +175,11 @@ def test_two_steps_in_one_checkpointed_region_are_refused() -> None:
 def test_eval_and_scoring_forwards_are_served_without_binding(form: str) -> None:
     """No grad (eval, scoring under inference mode): nothing is recomputed, calls are served
     with the plan (the loss equals the truth's)."""
-    model = apply_checkpointing(_reference_model(), form)
+    model = apply_checkpointing(tiny_decoder(3), form)
     ctx, local = identity_sharder().shard(_batches(1)[0])
     for guard in (torch.no_grad, torch.inference_mode):
         with guard(), ctx():
-            logits = _forward(model, local)
+            logits = logits_forward(model, local)
         loss = F.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(),
                                ignore_index=-100)
         assert abs(float(loss) - _truth("reference", 1)[0][0]) <= 1e-5

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from cp_core.datasets import make_packed_batch
-from cp_core.testing.loops import FORMS, apply_checkpointing, relative_errors, run_loop
+from cp_core.testing.loops import (FORMS, apply_checkpointing, logits_forward, loop_truth,
+                                   packed_micro_batches, relative_errors, run_loop,
+                                   tiny_decoder, tiny_llama)
 from cp_core.testing.parity import identity_sharder
-from cp_core.testing.reference_model import ReferenceDecoder
-from cp_core.testing.truth import per_document_step, truth_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,43 +30,18 @@ SEQ = 16
 
 
 def _batches(device: str) -> list[dict[str, Any]]:
-    out = []
-    for i, docs in enumerate(DOCS):
-        batch = make_packed_batch(docs, vocab=64, seed=11 + i, pad_to=SEQ)
-        out.append({k: v.to(device) for k, v in batch.items()})
-    return out
+    return packed_micro_batches(DOCS, SEQ, seed=11, device=device)
 
 
 def _model(kind: str, impl: str = "cp") -> Any:
     if kind == "reference":
-        return ReferenceDecoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                                num_kv_heads=2, intermediate_size=64, seed=3)
-    transformers = pytest.importorskip("transformers")
-    import cp_core.hf  # noqa: F401  registers "cp"
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, use_cache=False,
-                                   attn_implementation=impl)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _forward(model: Any, local: dict[str, Any]) -> torch.Tensor:
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-    return getattr(out, "logits", out)
+        return tiny_decoder(3)
+    pytest.importorskip("transformers")
+    return tiny_llama(impl)
 
 
 def _truth(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, grads = [], {}
-    for batch in _batches("cpu"):
-        if kind == "hf":
-            loss, g = per_document_step(_model("hf", "sdpa"), batch)
-        else:
-            loss, g = truth_step(_model("reference"), batch)
-        losses.append(loss)
-        grads = {k: grads.get(k, 0) + v for k, v in g.items()}
-    return losses, grads
+    return loop_truth(kind, _batches("cpu"), decoder_seed=3)
 
 
 def loop_on(device: str, kind: str, form: str, backward: str) -> tuple[float, float, set[int]]:
@@ -77,7 +51,7 @@ def loop_on(device: str, kind: str, form: str, backward: str) -> tuple[float, fl
     for name, module in model.named_modules():
         if name.endswith("self_attn"):
             module.register_forward_pre_hook(lambda *_: threads.add(threading.get_ident()))
-    got = run_loop(model, identity_sharder(), _batches(device), forward=_forward,
+    got = run_loop(model, identity_sharder(), _batches(device), forward=logits_forward,
                    backward=backward)
     loss_err, grad_err = relative_errors(got, *_truth(kind))
     return loss_err, grad_err, threads

@@ -7,8 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from cp_core.backend_api import (Backend, ContextParallelSharder, FlatStreamConfig,
-                                 per_chunk_multiple)
+from cp_core.backend_api import Backend, ContextParallelSharder, FlatStreamConfig, ShardOptions
 from cp_magi.magi_kernels import check_magi_mode
 from cp_magi.sharder import check_chunk_size, shard_batch_magi
 
@@ -56,16 +55,13 @@ class MagiConfig(FlatStreamConfig):
 
 def make_sharder(cfg: MagiConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
     """A :class:`ContextParallelSharder` of the magi layout for ``cfg``."""
-    common = cfg.common_shard_kwargs(tp_mesh)
-    multiple = per_chunk_multiple(pad_multiple=common["pad_multiple"], tp_size=common["tp_size"],
-                                  sequence_parallel=common["sequence_parallel"],
-                                  block_size=common["block_size"])
+    options = ShardOptions.from_config(cfg, tp_mesh)
+    multiple = options.per_chunk()
     shard = partial(
-        shard_batch_magi, chunk_size=cfg.chunk_size, chunks_per_rank=cfg.chunks_per_rank,
-        solver=cfg.solver, mask=cfg.mask, chunk_multiple=multiple, split=cfg.split,
+        shard_batch_magi, options=options, chunk_size=cfg.chunk_size,
+        chunks_per_rank=cfg.chunks_per_rank, solver=cfg.solver, mask=cfg.mask, split=cfg.split,
         split_tolerance=cfg.split_tolerance, solver_tolerance=cfg.solver_tolerance,
-        attention=common["attention"], window=common["window"], chunk=common["chunk"],
-        transport_options=common["transport_options"], use_magi_kernels=cfg.use_magi_kernels,
+        use_magi_kernels=cfg.use_magi_kernels,
     )
     check_chunk_size(cfg.chunk_size, multiple)  # at build time, before any batch
     check_magi_mode(cfg.use_magi_kernels)  # 'always' without magi_attention/CUDA: refuse now

@@ -26,7 +26,7 @@ branches explicitly). Documents come from :func:`cp_core.batch.documents.resolve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch
@@ -35,21 +35,14 @@ from cp_core.backend_api import (
     CPBatchError,
     CPConfigError,
     Documents,
-    ShardLayout,
+    ShardOptions,
+    ShardResult,
     cp_rank,
     cp_size,
-    make_plan,
-    make_transport_ctx,
-    normalize_batch,
-    pad_position_ids,
-    pad_seq_dim,
-    pad_value_for,
     per_rank_divisor,
-    resolve_documents,
     round_up,
-    without_document_keys,
 )
-from cp_magi.documents import RealKeyMask, document_spans, span_rows, stream_spans
+from cp_magi.documents import document_spans, span_rows
 from cp_magi.chunking import (
     DEFAULT_SOLVER_TOLERANCE,
     DEFAULT_SPLIT_TOLERANCE,
@@ -57,8 +50,9 @@ from cp_magi.chunking import (
     chunk_rank_runs,
     dispatch,
 )
+from cp_magi.flat_stream import finish_flat, flat_layout, resolve_flat, select_flat
 from cp_magi.magi_kernels import MagiKernelMode, magi_transport
-from cp_magi.mask import AttnRectangles, RectangleTokenMask
+from cp_magi.mask import AttnRectangles
 from cp_magi.mask_builders import document_mask, shared_prefix_mask
 from cp_magi.solver import Assignment, SolverName
 
@@ -66,7 +60,6 @@ from cp_magi.solver import Assignment, SolverName
 RECTANGLES_KEY = "attn_rectangles"
 DEFAULT_CHUNKS_PER_RANK = 8
 MaskSource = Literal["documents", "shared_prefix"]
-ShardResult = tuple[Callable[[], ContextManager[Any]], dict[str, Any], ShardLayout]
 
 
 @dataclass(frozen=True)
@@ -127,11 +120,6 @@ def choose_chunking(stream_len: int, cp: int, *, chunk_size: int | None,
     return chunk_size, chunks_per_rank
 
 
-def _flatten(t: torch.Tensor, seq_dim: int) -> torch.Tensor:
-    """Merge the (batch, seq) dims ``(seq_dim - 1, seq_dim)`` into one stream dim."""
-    return t.flatten(seq_dim - 1, seq_dim)
-
-
 def _build_mask(docs: Documents, rects: Any, bsz: int, seq: int, padded: int,
                 mask: MaskSource, attention: str, window: int | None, chunk: int | None
                 ) -> AttnRectangles:
@@ -166,108 +154,53 @@ def _build_mask(docs: Documents, rects: Any, bsz: int, seq: int, padded: int,
     return shared_prefix_mask(groups, padded)
 
 
-def _kind_builder(docs: Documents, padded: int, device: torch.device
-                  ) -> Callable[[str, int | None, int | None], RectangleTokenMask]:
-    """``(kind, window, chunk) -> mask`` of the step's documents with another attention kind:
-    a model layer whose kind differs from ``cp.attention`` (Gemma 3's full layers under a
-    sliding window) is served on the same dispatch, built when a layer first asks for it
-    (nothing is computed for a step whose layers all have the configured kind)."""
-
-    def build(kind: str, window: int | None, chunk: int | None) -> RectangleTokenMask:
-        return RectangleTokenMask.from_rectangles(
-            document_mask(stream_spans(docs.ids), padded, attention=kind, window=window, chunk=chunk), device,
-            window=window if kind == "sliding_window" else None,
-            chunk=chunk if kind == "chunked" else None, derive=build)
-
-    return build
-
-
-def _has_holes(docs: Documents) -> bool:
-    """True when some pad token lies inside a document (between its first and last token)."""
-    if docs.segments() is not None:
-        return False  # documents known as runs: there is no pad at all
-    spans = stream_spans(docs.ids)
-    return int((spans[:, 1] - spans[:, 0]).sum()) != int((~docs.pad).sum())
-
-
 def shard_batch_magi(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
-    padding_token_id: int = 0, *, chunk_size: int | None = None,
-    chunks_per_rank: int | None = None, solver: SolverName = "best",
-    mask: MaskSource = "documents", chunk_multiple: int = 1, split: int = 8,
+    padding_token_id: int | None = None, *, options: ShardOptions | None = None,
+    chunk_size: int | None = None, chunks_per_rank: int | None = None,
+    solver: SolverName = "best", mask: MaskSource = "documents", split: int = 8,
     split_tolerance: float = DEFAULT_SPLIT_TOLERANCE,
-    solver_tolerance: float = DEFAULT_SOLVER_TOLERANCE, attention: str = "causal",
-    window: int | None = None, chunk: int | None = None,
-    transport_options: Mapping[str, Any] | None = None, use_magi_kernels: MagiKernelMode = "never",
+    solver_tolerance: float = DEFAULT_SOLVER_TOLERANCE,
+    use_magi_kernels: MagiKernelMode = "never", **shard_options: Any,
 ) -> ShardResult:
     """Shard a packed batch by the dispatch solver (see the module docstring).
 
-    Returns ``(ctx_factory, local_batch, layout)``; the caller's batch is not modified.
+    ``options`` are the shard options every backend shares (attention kind, pad multiples,
+    transport options; any of them may also be given by keyword); the rest are the solver's.
+    Chunks are multiples of the per-chunk pad multiple (``options.per_chunk()``). Returns
+    ``(ctx_factory, local_batch, layout)``; the caller's batch is not modified.
     ``use_magi_kernels`` selects the attention transport (:mod:`cp_magi.magi_kernels`).
     """
+    opts = ShardOptions.of(options, padding_token_id, **shard_options)
+    opts = opts.replace(transport=magi_transport(use_magi_kernels))
+    multiple = opts.per_chunk()
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
     rects = batch.get(RECTANGLES_KEY) if isinstance(batch, Mapping) else None
     view = {k: v for k, v in batch.items() if k != RECTANGLES_KEY} \
         if isinstance(batch, Mapping) else batch
-    docs = resolve_documents(view)
-    nb = normalize_batch(without_document_keys(view, docs), loss_mask=loss_mask)
+    docs, nb = resolve_flat(view, loss_mask, opts)
     bsz, seq = nb.batch_size, nb.seq_len
     stream_len = bsz * seq
     csize, cpr = choose_chunking(stream_len, size, chunk_size=chunk_size,
-                                 chunks_per_rank=chunks_per_rank, chunk_multiple=chunk_multiple)
+                                 chunks_per_rank=chunks_per_rank, chunk_multiple=multiple)
     padded = per_rank_divisor(size, cpr * csize)  # exactly cp * chunks_per_rank chunks
-    pad_len = padded - stream_len
-    rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, attention, window, chunk)
+    rect_mask = _build_mask(docs, rects, bsz, seq, padded, mask, opts.attention, opts.window,
+                            opts.chunk)
     chunks, assignment = dispatch(rect_mask, size, csize, cpr, split=split,
-                                  tolerance=split_tolerance, chunk_multiple=chunk_multiple,
+                                  tolerance=split_tolerance, chunk_multiple=multiple,
                                   solver=solver, solver_tolerance=solver_tolerance)
-    device = nb.primary.device
     # Every rank's chunks as runs (O(chunks)); only this rank's tokens are listed.
     rank_runs = chunk_rank_runs(chunks, assignment.rank_chunks)
-    local = rank_runs.local_indices(rank, device)
-
-    out = dict(nb.batch)
-    if "padding_mask" not in out:
-        out["padding_mask"] = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
-    seq_dims = dict(nb.seq_dims)
-    seq_dims["padding_mask"] = 1
-    for key, dim in seq_dims.items():
-        t = _flatten(out[key], dim)
-        sdim = dim - 1
-        if key == "position_ids":
-            t = pad_position_ids(t, sdim, pad_len)
-        else:
-            t = pad_seq_dim(t, sdim, pad_len, pad_value_for(key, t, padding_token_id))
-        out[key] = t.index_select(sdim, local)
-
-    layout = ShardLayout(
-        local_token_global_indices=local, original_seq_len=stream_len, padded_seq_len=padded,
-        input_row_shape=(bsz, seq),
-        # Every caller token keeps its stream position; a function, so the O(S) map is only
-        # built when a token verb reads it.
-        input_token_stream_positions=lambda: torch.arange(stream_len, device=device).view(
-            bsz, seq),
-        rank_runs=rank_runs, pad_multiple=per_rank_divisor(size, csize), cp_rank=rank,
-        cp_size=size,
-        extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)},
-        work_floor=float(chunks.floor),
-    )
+    local = rank_runs.local_indices(rank, nb.primary.device)
+    out = select_flat(nb, local, padded - stream_len, opts)
+    layout = flat_layout(
+        nb, local, padded, rank_runs, pad_multiple=per_rank_divisor(size, csize), rank=rank,
+        size=size, work_floor=float(chunks.floor),
+        extras={"magi": MagiPlan(csize, cpr, chunks.workloads, assignment, rect_mask, chunks)})
     # Built from documents, the rectangles are exactly cp.attention's kind: say so (a caller's
     # own rectangles are of no known kind).
-    token_mask: Any = RectangleTokenMask.from_rectangles(
-        rect_mask, device, window=window if rects is None and attention == "sliding_window"
-        else None, chunk=chunk if rects is None and attention == "chunked" else None,
-        derive=_kind_builder(docs, padded, device) if rects is None and mask == "documents"
-        else None)
-    if rects is None and _has_holes(docs):
-        # Rectangles span a document's pad holes: pad keys are removed on top (cp-core's
-        # rule: one document, holes never attended). Without holes the rectangles are exact
-        # and stay visible to the MagiAttention kernel path.
-        real = torch.nn.functional.pad(~docs.pad.reshape(-1), (0, pad_len), value=False)
-        token_mask = RealKeyMask(token_mask, real.to(device))
-    plan = make_plan(cp_mesh, layout, token_mask, attention=attention,  # type: ignore[arg-type]
-                     transport=magi_transport(use_magi_kernels), options=transport_options)
-    return make_transport_ctx(plan), out, layout
+    return finish_flat(cp_mesh, docs, out, layout, opts, rect_mask, of_documents=rects is None,
+                       derive=rects is None and mask == "documents")
 
 
 __all__ = ["shard_batch_magi", "choose_chunking", "check_chunk_size", "MagiPlan", "RECTANGLES_KEY",

@@ -10,13 +10,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-from cp_core.backend_api import DEFAULT_SENTINEL, Backend, ContextParallelSharder, FlatStreamConfig
+from cp_core.backend_api import (DEFAULT_SENTINEL, Backend, ContextParallelSharder,
+                                 FlatStreamConfig, ShardOptions)
 from cp_te.sharder import shard_batch_thd
-
-#: Keys of ``CPBackendConfig.common_shard_kwargs`` that the THD sharder understands.
-_SHARD_KWARGS = ("pad_multiple", "block_size", "sequence_parallel", "tp_size", "attention",
-                 "window", "chunk", "transport_options")
-
 
 class TeThdConfig(FlatStreamConfig):
     """TransformerEngine THD: packed documents, each split in 2*cp chunks; rank r holds
@@ -34,11 +30,10 @@ class TeThdConfig(FlatStreamConfig):
 
 
 def _factory(cfg: TeThdConfig, cp_mesh: Any, tp_mesh: Any = None) -> ContextParallelSharder:
-    common = cfg.common_shard_kwargs(tp_mesh)
-    kwargs = {k: common[k] for k in _SHARD_KWARGS if k in common}
     return ContextParallelSharder(
-        shard_batch=partial(shard_batch_thd, seq_lens_sentinel=cfg.seq_lens_sentinel,
-                            cp_comm_type=cfg.cp_comm_type, use_te=cfg.use_te, **kwargs),
+        shard_batch=partial(shard_batch_thd, options=ShardOptions.from_config(cfg, tp_mesh),
+                            seq_lens_sentinel=cfg.seq_lens_sentinel,
+                            cp_comm_type=cfg.cp_comm_type, use_te=cfg.use_te),
         local_token_global_indices=None, cp_mesh=cp_mesh, tp_mesh=tp_mesh,
         padding_token_id=cfg.padding_token_id, verify_layout=cfg.verify_layout, rows=cfg.rows,
     )

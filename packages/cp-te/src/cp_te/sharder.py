@@ -30,13 +30,12 @@ from cp_core.backend_api import (
     RankRuns,
     Segments,
     ShardLayout,
+    ShardOptions,
     cp_rank,
     cp_size,
-    make_plan,
-    make_transport_ctx,
+    finish_shard,
     normalize_batch,
     pad_value_for,
-    per_chunk_multiple,
     resolve_documents,
     resolve_primary,
     thd_document_divisor,
@@ -161,13 +160,9 @@ def _plan_host(segments: Segments, cp: int, chunk_multiple: int
 
 def shard_batch_thd(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
-    padding_token_id: int = 0, *, seq_lens_sentinel: int = DEFAULT_SENTINEL,
-    pad_multiple: int = 1, tp_size: int = 1, sequence_parallel: bool = False,
-    block_size: int = 1, attention: AttentionKind = "causal", window: int | None = None,
-    chunk: int | None = None, transport: Callable | None = None,
-    transport_options: Mapping[str, Any] | None = None, cp_comm_type: str = "p2p",
-    use_te: str = "auto", extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None,
+    padding_token_id: int | None = None, *, options: ShardOptions | None = None,
+    seq_lens_sentinel: int = DEFAULT_SENTINEL, cp_comm_type: str = "p2p", use_te: str = "auto",
+    **shard_options: Any,
 ) -> tuple[CtxFactory, dict[str, Any], ShardLayout]:
     """Shard a packed ``[B, S]`` batch with TE's per-document dual-chunk split.
 
@@ -179,7 +174,10 @@ def shard_batch_thd(
     layout)``; ``ctx_factory()`` routes SDPA through the cp-core transport with the
     document mask, and on CUDA with TransformerEngine also sets the CP group on every TE
     ``DotProductAttention`` module that runs inside it. The caller's batch is not modified.
+    ``options``: the shard options every backend shares (any of them may also be given by
+    keyword: ``pad_multiple=4``, ``attention="chunked"``, ...); the rest are TE's own.
     """
+    opts = ShardOptions.of(options, padding_token_id, **shard_options)
     docs, segments = document_segments(batch, seq_lens_sentinel)
     bsz, seq = segments.batch_size, segments.seq_len
     te_on = te_path_active(use_te, segments.length.device)  # use_te=always may refuse
@@ -198,11 +196,9 @@ def shard_batch_thd(
         te_on = False
     core = {k: v for k, v in without_document_keys(batch, docs).items()
             if k not in BOUNDARY_KEYS and k not in METADATA_KEYS}
-    nb = normalize_batch(core, loss_mask=loss_mask, extra_seq_keys=extra_seq_keys)
+    nb = normalize_batch(core, loss_mask=loss_mask, extra_seq_keys=opts.extra_seq_keys)
     size, rank = cp_size(cp_mesh), cp_rank(cp_mesh)
-    multiple = per_chunk_multiple(pad_multiple=pad_multiple, tp_size=tp_size,
-                                  sequence_parallel=sequence_parallel, block_size=block_size)
-    stream, host, rank_runs = _plan_host(segments, size, multiple)
+    stream, host, rank_runs = _plan_host(segments, size, opts.per_chunk())
     device = segments.length.device
     slots = local_slots(host, size, rank, device)  # only this rank's tokens
     local = slots.stream
@@ -217,7 +213,7 @@ def shard_batch_thd(
                 f"batch[{key!r}] has shape {tuple(t.shape)}: the THD layout flattens rows, so "
                 f"its sequence dim {dim} must follow the batch dim of size {bsz}"
             )
-        fill = pad_value_for(key, t, padding_token_id, extra_pad_values)
+        fill = pad_value_for(key, t, opts.padding_token_id, opts.extra_pad_values)
         out[key] = _map_rows(t, dim, slots, fill)
     pos_dim = nb.seq_dims["position_ids"]
     out["position_ids"] = _local_positions(nb.batch["position_ids"], pos_dim, slots)
@@ -238,11 +234,11 @@ def shard_batch_thd(
         pad_multiple=stream.divisor, cp_rank=rank, cp_size=size,
         extras={"cu_seqlens_padded": cu, "document_source": docs.source},
     )
-    mask = _stream_document_mask(stream, positions, caller_pad, attention=attention,
-                                 window=window, chunk=chunk)
-    plan = make_plan(cp_mesh, layout, mask, attention=attention, transport=transport,
-                     options=transport_options)
-    return _ctx_factory(make_transport_ctx(plan), te_on, cp_mesh, cp_comm_type), out, layout
+    mask = _stream_document_mask(stream, positions, caller_pad, attention=opts.attention,
+                                 window=opts.window, chunk=opts.chunk)
+    ctx, out, layout = finish_shard(cp_mesh, docs, out, layout, opts, seq_len=bsz * seq,
+                                    mask=mask)
+    return _ctx_factory(ctx, te_on, cp_mesh, cp_comm_type), out, layout
 
 
 __all__ = ["shard_batch_thd", "plan_stream", "document_segments", "METADATA_KEYS"]

@@ -8,7 +8,6 @@ transport are all derived from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import gcd
 from typing import Any, Callable
 
 import torch
@@ -84,19 +83,6 @@ install_lazy_indices(ShardLayout, "rank_global_indices", "rank_runs")
 install_deferred(ShardLayout, "input_token_stream_positions")
 
 
-def lcm(*values: int) -> int:
-    """Least common multiple of positive ints (1 for no values)."""
-    out = 1
-    for v in values:
-        if v is None:
-            continue
-        v = int(v)
-        if v < 1:
-            raise CPConfigError(f"pad multiples must be >= 1, got {v}")
-        out = out * v // gcd(out, v)
-    return out
-
-
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``n``."""
     return -(-n // multiple) * multiple
@@ -161,6 +147,5 @@ __all__ = [
     "contiguous_local_indices",
     "round_robin_local_indices",
     "all_rank_indices",
-    "lcm",
     "round_up",
 ]

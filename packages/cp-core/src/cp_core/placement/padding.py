@@ -9,8 +9,22 @@ each layout chunk, so every rank's local length satisfies them, not merely the g
 
 from __future__ import annotations
 
+from math import gcd
+
 from cp_core.errors import CPConfigError
-from cp_core.placement.layout import lcm
+
+
+def lcm(*values: int) -> int:
+    """Least common multiple of positive ints (1 for no values)."""
+    out = 1
+    for v in values:
+        if v is None:
+            continue
+        v = int(v)
+        if v < 1:
+            raise CPConfigError(f"pad multiples must be >= 1, got {v}")
+        out = out * v // gcd(out, v)
+    return out
 
 
 def per_chunk_multiple(
@@ -53,5 +67,5 @@ def thd_document_divisor(cp: int, chunk_multiple: int = 1) -> int:
     return 2 * cp * chunk_multiple
 
 
-__all__ = ["per_chunk_multiple", "round_robin_divisor", "contiguous_divisor",
+__all__ = ["lcm", "per_chunk_multiple", "round_robin_divisor", "contiguous_divisor",
            "per_rank_divisor", "thd_document_divisor"]

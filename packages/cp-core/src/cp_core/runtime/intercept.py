@@ -9,11 +9,11 @@ through untouched. Unmodified models, Hugging Face ``attn_implementation="sdpa"`
 therefore run under CP.
 
 Every served call, intercepted here or reaching :func:`plan_for_call` from an attention
-function (Hugging Face's ``"cp"``), goes through the same three steps: a call inside backward
-must be a recomputation bound to its forward's plan (:mod:`cp_core.runtime.recompute`); a
-call inside a checkpointed region binds that region's recomputation to its plan; the call must
-be the step's sharded self-attention (:mod:`cp_core.runtime.route`), else it runs untouched
-(outside the step's module scope) or is refused.
+function (Hugging Face's ``"cp"``), goes through the same three steps: the call must be the
+step's sharded self-attention (:mod:`cp_core.runtime.route`), else it runs untouched (outside
+the step's module scope) or is refused; a call inside backward must be a recomputation bound
+to its forward's plan (:mod:`cp_core.runtime.recompute`); a call inside a checkpointed region
+binds that region's recomputation to its plan.
 
 Bindings live on a per-thread stack: a plan activated on one thread never reroutes another
 thread's attention, and a recomputation carries its own binding to the thread that runs it.
@@ -36,8 +36,8 @@ from torch.overrides import TorchFunctionMode
 from cp_core.plan.record import AttentionPlan
 from cp_core.runtime import binding as _b
 from cp_core.runtime.op_handles import published
-from cp_core.runtime.recompute import bind_region, check_recompute
-from cp_core.runtime.route import caller_module, route_call
+from cp_core.runtime.recompute import guard_call
+from cp_core.runtime.route import route_call
 
 # Both names are bound to the same builtin today; keep both in case a release splits them.
 _SDPA_FUNCS = frozenset({F.scaled_dot_product_attention,
@@ -52,12 +52,13 @@ def active_plan() -> AttentionPlan | None:
     return binding.plan if binding is not None else None
 
 
-def _admit(binding: _b.Binding, query: Any, key: Any, module: torch.nn.Module | None) -> bool:
-    """The checks every served call passes first; False: run it untouched."""
-    check_recompute(binding)
-    if not route_call(binding, query, key, module):
+def _admit(binding: _b.Binding, query: Any, key: Any, module: torch.nn.Module | None,
+           frame: Any = None) -> bool:
+    """The checks every served call passes first; False: run it untouched. ``frame``: where
+    to find the calling module when ``module`` is None."""
+    if not route_call(binding, query, key, module, frame=frame):
         return False
-    bind_region(binding)
+    guard_call(binding)
     return True
 
 
@@ -106,7 +107,7 @@ class _SDPAIntercept(TorchFunctionMode):
         from cp_core.runtime.door import call_transport
 
         query, key = _sdpa_operands(args, kwargs)
-        if not _admit(self.binding, query, key, caller_module(sys._getframe(1))):
+        if not _admit(self.binding, query, key, None, sys._getframe(1)):
             return func(*args, **kwargs)
         check_hf_layer(self.plan)  # a Hugging Face layer whose window the plan does not give
         _state.serving = True

@@ -152,6 +152,14 @@ def check_recompute(binding: _b.Binding) -> None:
         f"context); it would be served with whatever plan is current now. Use {WORKING_FORMS}")
 
 
+def guard_call(binding: _b.Binding) -> None:
+    """The recomputation rules of one served call: inside backward it must be a
+    recomputation bound to its forward's plan (:func:`check_recompute`); inside checkpointed
+    regions, their recomputation is bound to ``binding`` (:func:`bind_region`)."""
+    check_recompute(binding)
+    bind_region(binding)
+
+
 @contextlib.contextmanager
 def _forward_side(inner: ContextManager[Any], binding: _b.Binding | None) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
@@ -188,4 +196,5 @@ def checkpoint_context(inner: Callable[[], tuple[ContextManager[Any], ContextMan
     return _forward_side(fwd, binding), _recompute_side(rec, binding)
 
 
-__all__ = ["bind_region", "check_recompute", "checkpoint_context", "WORKING_FORMS"]
+__all__ = ["bind_region", "check_recompute", "guard_call", "checkpoint_context",
+           "WORKING_FORMS"]

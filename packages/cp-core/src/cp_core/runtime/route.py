@@ -81,10 +81,14 @@ def _scope_fix(binding: Binding) -> str:
             "decoder, call the model on the sharded batch, without a KV cache")
 
 
-def route_call(binding: Binding, query: Any, key: Any, module: torch.nn.Module | None) -> bool:
+def route_call(binding: Binding, query: Any, key: Any, module: torch.nn.Module | None,
+               *, frame: FrameType | None = None) -> bool:
     """True when ``binding``'s step serves this call, False when it runs untouched (outside
     the step's module scope); raises :class:`CPAttentionError` for a call inside the scope
-    that is not self-attention over this step's local tokens."""
+    that is not self-attention over this step's local tokens. ``frame``: find the calling
+    module from it (:func:`caller_module`) when ``module`` is None."""
+    if module is None and frame is not None:
+        module = caller_module(frame)
     scope = binding.scope
     if scope is not None and scope.modules is not None:
         if module is None:

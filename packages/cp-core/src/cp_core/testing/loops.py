@@ -170,6 +170,72 @@ def relative_errors(result: LoopResult, losses: Sequence[float],
     return loss_err, grad_err
 
 
+# The small models and batches the loop tests share (one process, CUDA, CP=2 on gloo ranks).
+
+def packed_micro_batches(docs: Sequence[Sequence[Sequence[int]]], seq: int, seed: int,
+                         device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+    """One packed batch per micro-batch: ``docs[i]`` gives micro-batch ``i``'s rows as
+    document lengths, padded to ``seq`` tokens, token seed ``seed + i``, on ``device``."""
+    from cp_core.datasets import make_packed_batch
+
+    out = []
+    for i, rows in enumerate(docs):
+        batch = make_packed_batch([list(r) for r in rows], vocab=64, seed=seed + i, pad_to=seq)
+        out.append({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()})
+    return out
+
+
+def tiny_decoder(seed: int) -> nn.Module:
+    """The small plain-SDPA decoder of the loop tests (vocab 64, 2 layers, 4 heads, 2 K/V
+    heads), weights from ``seed``."""
+    from cp_core.testing.reference_model import ReferenceDecoder
+
+    return ReferenceDecoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, intermediate_size=64, seed=seed)
+
+
+def tiny_llama(impl: str) -> nn.Module:
+    """A Hugging Face Llama of the same size with ``attn_implementation=impl`` (``"cp"``
+    registered), the same weights on every call and every rank. Needs transformers."""
+    import transformers
+
+    import cp_core.hf  # noqa: F401  registers "cp"
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, use_cache=False,
+                                   attn_implementation=impl)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def logits_forward(model: nn.Module, local: Mapping[str, Any]) -> torch.Tensor:
+    """``run_loop``'s ``forward``: the model on the local ids and positions, its logits."""
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    return getattr(out, "logits", out)
+
+
+def loop_truth(kind: str, batches: Sequence[Mapping[str, Any]], decoder_seed: int
+               ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per micro-batch losses and the summed gradients without any project code: a fresh
+    :func:`tiny_llama` (``"sdpa"``) run per document for ``kind="hf"``, else a fresh
+    :func:`tiny_decoder` under the loop-built mask (:mod:`cp_core.testing.truth`)."""
+    from cp_core.testing.truth import per_document_step, truth_step
+
+    losses: list[float] = []
+    grads: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        if kind == "hf":
+            loss, g = per_document_step(tiny_llama("sdpa"), batch)
+        else:
+            loss, g = truth_step(tiny_decoder(decoder_seed), batch)
+        losses.append(loss)
+        grads = {k: grads.get(k, 0) + v for k, v in g.items()}
+    return losses, grads
+
+
 __all__ = ["FORMS", "BACKWARD", "selective_policy", "checkpoint_kwargs", "CheckpointedLayer",
            "apply_checkpointing", "unwrapped_name", "LoopResult", "run_loop",
-           "relative_errors"]
+           "relative_errors", "packed_micro_batches", "tiny_decoder", "tiny_llama",
+           "logits_forward", "loop_truth"]

@@ -7,8 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from cp_core.backend_api import (Backend, ContextParallelSharder, FlatStreamConfig,
-                                 per_chunk_multiple)
+from cp_core.backend_api import Backend, ContextParallelSharder, FlatStreamConfig, ShardOptions
 from cp_magi.locality.sharder import shard_batch_locality
 
 
@@ -25,13 +24,8 @@ class LocalityConfig(FlatStreamConfig):
 def make_sharder(cfg: LocalityConfig, cp_mesh: Any, tp_mesh: Any = None
                  ) -> ContextParallelSharder:
     """A :class:`ContextParallelSharder` of the locality layout for ``cfg``."""
-    common = cfg.common_shard_kwargs(tp_mesh)
-    multiple = per_chunk_multiple(pad_multiple=common["pad_multiple"], tp_size=common["tp_size"],
-                                  sequence_parallel=common["sequence_parallel"],
-                                  block_size=common["block_size"])
-    shard = partial(shard_batch_locality, chunk_multiple=multiple, tolerance=cfg.tolerance,
-                    attention=common["attention"], window=common["window"],
-                    chunk=common["chunk"], transport_options=common["transport_options"])
+    shard = partial(shard_batch_locality, options=ShardOptions.from_config(cfg, tp_mesh),
+                    tolerance=cfg.tolerance)
     # Data-dependent layout: no static index function.
     return ContextParallelSharder(shard_batch=shard, local_token_global_indices=None,
                                   cp_mesh=cp_mesh, tp_mesh=tp_mesh,
