@@ -247,3 +247,61 @@ def test_runs_resolver_matches_the_loop_definition(seed: int,
             assert re.search(rf"first at row {row}, token {col}\)", msg), (ctx, msg)
             assert f"batch[{source!r}]" in msg and f"batch[{other!r}]" in msg, (ctx, msg)
     assert seen == {"ids", "conflict", "contradiction"}
+
+
+def _change_points(row: list[int]) -> list[int]:
+    return [s for s in range(len(row)) if s == 0 or row[s] != row[s - 1]]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_one_row_sources_match_token_loops(seed: int) -> None:
+    """One row (the flattening collator's shape) reads each source by its own short path;
+    every reader must still give the runs, and refuse the rows, that a token loop does."""
+    from cp_core.batch.hf_keys import flat_cu_runs
+    from cp_core.batch.source_runs import id_runs, position_runs, sequence_index_runs
+
+    rng = random.Random(100 + seed)
+    for _ in range(400):
+        seq = rng.randint(2, 14)
+        pos = [rng.choice([0, 0, 1, 2, 5]) for _ in range(seq)]
+        starts = [0] + [s for s in range(1, seq) if pos[s] == 0]
+        got = position_runs(torch.tensor([pos]))
+        if len(starts) == 1:
+            assert got is None
+        else:
+            assert got.starts.tolist() == starts and got.labels.tolist() == \
+                list(range(1, len(starts) + 1)), pos
+
+        ids = [rng.choice([0, 1, 1, 2, 2, 3, 4]) for _ in range(seq)]
+        ids.sort() if rng.random() < 0.5 else None
+        real = [ids[s] for s in _change_points(ids) if ids[s] != 0]
+        ok = all(v >= 0 for v in ids) and (not real or real[0] == 1) and all(
+            b - a in (0, 1) for a, b in zip(real, real[1:]))
+        if ok:
+            got = id_runs(torch.tensor([ids]), "_packed_seq_ids", "_packed_seq_ids")
+            assert got.starts.tolist() == _change_points(ids), ids
+            assert got.labels.tolist() == [ids[s] for s in _change_points(ids)], ids
+        else:
+            with pytest.raises(CPBatchError, match="_packed_seq_ids"):
+                id_runs(torch.tensor([ids]), "_packed_seq_ids", "_packed_seq_ids")
+
+        idx = sorted(rng.choice([-1, 0, 1, 1, 2, 3, 5]) for _ in range(seq))
+        if rng.random() < 0.3:
+            idx.reverse()
+        runs = [idx[s] for s in _change_points(idx)]
+        ok = runs[0] >= 0 and all(b == a + 1 for a, b in zip(runs, runs[1:]))
+        if ok:
+            got = sequence_index_runs(torch.tensor([idx], dtype=torch.int32))
+            assert got.starts.tolist() == _change_points(idx), idx
+            assert got.labels.tolist() == [v + 1 for v in runs], idx
+        else:
+            with pytest.raises(CPBatchError, match="seq_idx"):
+                sequence_index_runs(torch.tensor([idx], dtype=torch.int32))
+
+        cuts = sorted(rng.sample(range(1, seq + 1), rng.randint(0, min(4, seq))))
+        cu = [0, *cuts]
+        got = flat_cu_runs(torch.tensor(cu).numpy(), "cu_seq_lens_q", 1, seq)
+        last = cu[-1]
+        want = [s for s in cu if s < seq]
+        assert got.starts.tolist() == want, cu
+        assert got.labels.tolist() == [i + 1 if s < last else 0 for i, s in enumerate(want)], cu

@@ -125,6 +125,8 @@ def check_flat_cu(pos: np.ndarray, pos_key: str, batch_size: int, seq_len: int,
             f"batch[{pos_key!r}] is not strictly increasing at entry {i + 1} "
             f"({int(pos[i])} -> {int(pos[i + 1])}): {_preview(pos)}"
         )
+    if batch_size == 1:  # one row, ending at or before its end: nothing crosses a row
+        return
     start, end = pos[:-1], pos[1:]
     row = start // seq_len
     crosses = (end - 1) // seq_len != row

@@ -60,6 +60,15 @@ def flat_cu_runs(cu: np.ndarray, key: str, bsz: int, seq: int) -> SourceRuns:
     start)."""
     check_flat_cu(cu, key, bsz, seq, True)
     last = int(cu[-1])
+    if bsz == 1:
+        # One row: every boundary but a last one at the row's end starts a run, numbered in
+        # order; a last boundary before the end starts the trailing pad.
+        total = seq
+        starts = (cu[:-1] if last == total else cu).astype(np.int64)
+        labels = np.arange(1, starts.size + 1, dtype=np.int64)
+        if last < total:
+            labels[-1] = 0
+        return SourceRuns(key, starts, labels, 1, seq)
     rows = row_starts(bsz, seq)
     # Documents never cross a row end, so every row start before ``last`` opens one.
     starts = np.union1d(cu, rows[rows > last]) if bsz > 1 else cu

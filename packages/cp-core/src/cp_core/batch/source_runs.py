@@ -95,23 +95,28 @@ def value_runs(t: torch.Tensor, name: str) -> SourceRuns:
     bsz, seq = int(t.shape[0]), int(t.shape[1])
     if _on_host(t):
         flat = _host(t)
-        change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+        change = (flat[1:] != flat[:-1]).nonzero()[0]  # 1-D: no flatnonzero wrapper
+        change += 1  # in place: one small array fewer
     else:
         dev = t.detach().reshape(-1)
         change = (dev[1:] != dev[:-1]).nonzero().reshape(-1).cpu().numpy() + 1
         flat = None
-    starts = _with_row_starts(change.astype(np.int64), bsz, seq)
+    starts = _with_row_starts(change.astype(np.int64, copy=False), bsz, seq)
     if flat is not None:
-        labels = flat[starts].astype(np.int64)
+        labels = flat[starts].astype(np.int64, copy=False)
     else:
-        labels = _host(t.reshape(-1)[torch.from_numpy(starts).to(t.device)]).astype(np.int64)
+        labels = _host(t.reshape(-1)[torch.from_numpy(starts).to(t.device)]).astype(
+            np.int64, copy=False)
     return SourceRuns(name, starts, labels, bsz, seq)
 
 
 def _with_row_starts(points: np.ndarray, bsz: int, seq: int) -> np.ndarray:
     """Ascending ``points`` (within ``(0, B*S)``) with every row start added, sorted."""
     if bsz == 1:
-        return np.concatenate((np.zeros(1, np.int64), points))
+        out = np.empty(points.size + 1, np.int64)
+        out[0] = 0
+        out[1:] = points
+        return out
     return np.union1d(points, row_starts(bsz, seq))
 
 
@@ -130,6 +135,17 @@ def id_runs(ids: torch.Tensor, name: str, key: str) -> SourceRuns:
         validate_document_ids(ids, key)  # raises, naming the dtype
     runs = value_runs(ids, name)
     lab = runs.labels
+    if runs.batch_size == 1:
+        # One row: its non-zero run labels, in order, must start at 1 and step by 0 (a hole)
+        # or 1; a negative step read as unsigned is huge, so one compare checks both bounds.
+        real = lab[lab != 0]
+        steps = (real[1:] - real[:-1]).view(np.uint64)
+        bad = bool(lab.min() < 0) or (real.size > 0 and int(real[0]) != 1) \
+            or bool((steps > 1).any())
+        if bad:
+            validate_document_ids(ids, key)
+            raise CPBatchError(f"batch[{key!r}] is not 1-based contiguous document ids")
+        return runs
     nz = np.flatnonzero(lab != 0)
     bad = bool((lab < 0).any())
     if not bad and nz.size:
@@ -156,6 +172,9 @@ def sequence_index_runs(seq_idx: torch.Tensor, key: str = "seq_idx") -> SourceRu
         raise CPBatchError(f"batch[{key!r}] must be an integer tensor, got {found}")
     runs = value_runs(seq_idx, key)
     lab = runs.labels
+    if runs.batch_size == 1 and lab[0] >= 0 and bool(((lab[1:] - lab[:-1]) == 1).all()):
+        # One row (the flattening collator's form): any start, then rising by 1.
+        return SourceRuns(key, runs.starts, lab + 1, 1, runs.seq_len)
     first = _row_first(runs.starts, runs.batch_size, runs.seq_len)
     step = np.diff(lab, prepend=0)
     bad = (lab < 0) | ((np.arange(lab.size) != first) & (step != 1))
@@ -176,6 +195,18 @@ def position_runs(pos: torch.Tensor) -> SourceRuns | None:
     bsz, seq = int(pos.shape[0]), int(pos.shape[1])
     if seq < 2:
         return None
+    if bsz == 1 and _on_host(pos):
+        # One row: the starts are the row start and every later position 0, numbered in
+        # order (no row arithmetic, no sort).
+        hits = (_host(pos)[1:] == 0).nonzero()[0]
+        if hits.size == 0:
+            return None
+        starts = np.empty(hits.size + 1, np.int64)
+        starts[0] = 0
+        starts[1:] = hits
+        starts[1:] += 1
+        return SourceRuns("position_ids", starts, np.arange(1, starts.size + 1, dtype=np.int64),
+                          1, seq)
     if _on_host(pos):
         hits = np.flatnonzero(pos[:, 1:].detach().numpy() == 0)
     else:
@@ -202,6 +233,10 @@ def segment_runs(segs: Segments, name: str) -> SourceRuns:
                          for t in (segs.row, segs.length, segs.span))
     # The segments tile every row in row-major order, so their flat starts are the running sum.
     start = np.cumsum(span) - span
+    if segs.batch_size == 1 and bool((length == span).all()) and bool(length.all()):
+        # One row, no pad: each segment is one run, numbered in order (no run merges).
+        return SourceRuns(name, start, np.arange(1, start.size + 1, dtype=np.int64), 1,
+                          segs.seq_len)
     real = length > 0
     count = np.cumsum(real)
     first_of_row = np.ones(row.size, bool)
