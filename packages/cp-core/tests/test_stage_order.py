@@ -1,4 +1,9 @@
-"""cp_core's stages import one way: comm <- batch <- placement <- plan <- runtime <- front door.
+"""cp_core's stages import one way: comm <- batch <- placement <- plan <- runtime.kernels <- runtime
+<- front door.
+
+The kernels (``runtime/kernels/``: the local attention maths and the one online-softmax
+merge) are a stage of their own below the rest of the runtime: they import no transport, door
+or plan binding, so a ring calling a kernel per step goes down a stage, not back to a file it left.
 
 Every import counts, deferred ones inside functions included: a stage that reaches upward,
 even lazily, is a stage that knows about its callers. ``cp_core.errors`` (the exception types)
@@ -16,15 +21,17 @@ import cp_core
 from cp_core.testing.imports import package_modules
 
 SRC = Path(cp_core.__file__).resolve().parent
-STAGES = ("comm", "batch", "placement", "plan", "runtime")
+STAGES = ("comm", "batch", "placement", "plan", "runtime.kernels", "runtime")
 LEAVES = {"cp_core.errors", "cp_core.plugins"}
 
 
 def stage_of(module: str) -> int:
     """Index of ``module``'s stage in :data:`STAGES`; the front door is ``len(STAGES)``."""
-    parts = module.split(".")
-    if len(parts) > 1 and parts[1] in STAGES:
-        return STAGES.index(parts[1])
+    rest = module.split(".", 1)[1] if "." in module else ""
+    # The longest stage prefix wins: runtime.kernels.fused is the kernels stage, not runtime.
+    for i in sorted(range(len(STAGES)), key=lambda j: -len(STAGES[j])):
+        if rest == STAGES[i] or rest.startswith(STAGES[i] + "."):
+            return i
     return len(STAGES)
 
 
@@ -68,7 +75,7 @@ def test_leaves_import_only_the_errors() -> None:
 
 def test_every_stage_is_a_folder() -> None:
     for stage in STAGES:
-        assert (SRC / stage / "__init__.py").is_file(), stage
+        assert (SRC / stage.replace(".", "/") / "__init__.py").is_file(), stage
 
 
 def test_the_rule_sees_an_upward_import(tmp_path: Path) -> None:
@@ -82,3 +89,15 @@ def test_the_rule_sees_an_upward_import(tmp_path: Path) -> None:
     (pkg / "placement" / "layout.py").write_text(
         "from cp_core.errors import CPError\n\ndef f():\n    from cp_core.runtime import door\n")
     assert upward_imports(pkg) == ["cp_core.placement.layout:4 -> cp_core.runtime"]
+
+
+def test_the_rule_sees_a_kernel_importing_the_runtime(tmp_path: Path) -> None:
+    """A kernel that reaches the door (or any runtime module outside the kernels) is found."""
+    pkg = tmp_path / "cp_core"
+    (pkg / "runtime" / "kernels").mkdir(parents=True)
+    for d in (pkg, pkg / "runtime", pkg / "runtime" / "kernels"):
+        (d / "__init__.py").write_text("")
+    (pkg / "runtime" / "door.py").write_text("from cp_core.runtime.kernels import fused\n")
+    (pkg / "runtime" / "kernels" / "fused.py").write_text(
+        "def f():\n    from cp_core.runtime.door import call_transport\n")
+    assert upward_imports(pkg) == ["cp_core.runtime.kernels.fused:2 -> cp_core.runtime.door"]
