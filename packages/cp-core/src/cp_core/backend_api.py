@@ -46,7 +46,7 @@ from cp_core.plan.record import (
     TransportOptions,
 )
 from cp_core.plan.rects import INF, BandRects, real_keys_only, segment_rects
-from cp_core.plan.slices import index_runs
+from cp_core.plan.pieces import index_runs
 from cp_core.runtime.transports.allgather import allgather_sdpa, gather_kv
 from cp_core.runtime.door import call_transport, check_local_shapes, resolve_causal
 from cp_core.batch.normalise import (

@@ -169,7 +169,7 @@ def test_local_pieces_equal_the_python_definition():
     # fused_attention (a backend that moved the keys itself): this rank's queries over keys
     # already here, at any global positions.
     from cp_core.plan.crop import local_pieces
-    from cp_core.plan.slices import index_runs
+    from cp_core.plan.pieces import index_runs
     from cp_core.testing.reference_plan import build_rank_slices
 
     rng = random.Random(7)

@@ -24,7 +24,7 @@ from cp_core.runtime.kernels.fused import (
 )
 from cp_core.plan.schedule import schedule_from_runs
 from cp_core.plan.rects import document_rects
-from cp_core.plan.slices import CAUSAL, FULL, Piece
+from cp_core.plan.pieces import CAUSAL, FULL, Piece
 from cp_core.placement.runs import RankRuns
 from cp_core.testing import reference_attention as ref
 

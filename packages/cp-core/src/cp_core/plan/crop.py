@@ -23,7 +23,7 @@ import numpy as np
 
 from cp_core.plan.rects import INF, BandRects
 from cp_core.plan.run_table import RunTable, overlaps
-from cp_core.plan.slices import (
+from cp_core.plan.pieces import (
     CAUSAL,
     FULL,
     Piece,
@@ -124,7 +124,7 @@ def ranges_by_owner(owner: np.ndarray, start: np.ndarray, end: np.ndarray
             for a, b in zip(bounds[:-1], bounds[1:])}
 
 
-#: Columns of a piece row: the fields of :class:`~cp_core.plan.slices.Piece` in order.
+#: Columns of a piece row: the fields of :class:`~cp_core.plan.pieces.Piece` in order.
 _B, _Q0, _Q1, _SRC, _K0, _K1, _KIND, _DLO, _DHI = range(9)
 
 
@@ -192,7 +192,7 @@ def pieces_by_src(rows: np.ndarray) -> dict[int, list[Piece]]:
 
 def _merge_runs(rows: np.ndarray, same: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
     """FULL rows with equal ``same`` columns whose ``[lo, hi)`` touch, merged (one pass of
-    :func:`~cp_core.plan.slices.merge_full_pieces`)."""
+    :func:`~cp_core.plan.pieces.merge_full_pieces`)."""
     if rows.shape[0] < 2:
         return rows
     rows = rows[np.lexsort(tuple(rows[:, c] for c in (lo, *reversed(same))))]
@@ -208,7 +208,7 @@ def _merge_runs(rows: np.ndarray, same: tuple[int, ...], lo: int, hi: int) -> np
 
 
 def merge_full_rows(rows: np.ndarray) -> np.ndarray:
-    """:func:`~cp_core.plan.slices.merge_full_pieces` on piece rows, vectorised."""
+    """:func:`~cp_core.plan.pieces.merge_full_pieces` on piece rows, vectorised."""
     full = rows[:, _KIND] == FULL
     merged = _merge_runs(rows[full], (_B, _SRC, _Q0, _Q1), _K0, _K1)
     merged = _merge_runs(merged, (_B, _SRC, _K0, _K1), _Q0, _Q1)
@@ -217,7 +217,7 @@ def merge_full_rows(rows: np.ndarray) -> np.ndarray:
 
 def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.ndarray
                 ) -> np.ndarray:
-    """:func:`~cp_core.plan.slices.to_buffer_coords` on piece rows of any sources at
+    """:func:`~cp_core.plan.pieces.to_buffer_coords` on piece rows of any sources at
     once: source ``s``'s needed ranges are the ``(owner == s)`` entries, in order."""
     lens = end - start
     # Offset of each range in its owner's buffer: the lengths of that owner's earlier ranges.
@@ -289,7 +289,7 @@ def _both_passes(rects: BandRects, runs: RankRuns, rank: int
 
 
 #: Up to this many crops, pieces are cut and merged by the Python definitions of
-#: :mod:`cp_core.plan.slices`: below that numpy's per-call overhead costs more than the
+#: :mod:`cp_core.plan.pieces`: below that numpy's per-call overhead costs more than the
 #: loop (a head-tail layout has about a dozen crops per rank).
 _FEW_BOXES = 64
 

@@ -1,7 +1,7 @@
 """The p2p schedule of one rank: its pieces and, per ring step, the key ranges it moves.
 
 Host data, built once per step before the forward (:func:`schedule_for`, cached on the plan):
-this rank's pieces (:mod:`cp_core.plan.slices`, cut with :mod:`cp_core.plan.crop`), and for
+this rank's pieces (:mod:`cp_core.plan.pieces`, cut with :mod:`cp_core.plan.crop`), and for
 every ring step ``i`` the key ranges this rank receives from rank ``me - i`` and sends to rank
 ``me + i``. Both sides derive a pair's ranges with the same function from data every rank
 holds, so no sizes are exchanged. :mod:`cp_core.runtime.p2p_ring` runs it.
@@ -18,7 +18,7 @@ from cp_core.placement.runs import RankRuns
 from cp_core.plan.crop import local_pieces, schedule_parts
 from cp_core.plan.record import AttentionPlan
 from cp_core.plan.rects import BandRects
-from cp_core.plan.slices import Piece
+from cp_core.plan.pieces import Piece
 
 
 @dataclass

@@ -27,7 +27,7 @@ from cp_core.comm.collectives import record_collective
 from cp_core.comm.failures import peer_failures
 from cp_core.plan.record import AttentionPlan
 from cp_core.plan.schedule import P2PSchedule, RingStep, fused_schedule, schedule_for
-from cp_core.plan.slices import Piece
+from cp_core.plan.pieces import Piece
 from cp_core.runtime.kernels.fused import (
     PieceKernel,
     backward_pieces,

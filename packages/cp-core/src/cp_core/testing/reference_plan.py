@@ -16,7 +16,7 @@ import torch
 from cp_core.placement.runs import Run, index_runs
 from cp_core.plan.rects import INF, BandRects
 from cp_core.plan.schedule import P2PSchedule, RingStep
-from cp_core.plan.slices import (Piece, _pieces, _tighten, merge_full_pieces,
+from cp_core.plan.pieces import (Piece, _pieces, _tighten, merge_full_pieces,
                                  to_buffer_coords)
 
 

@@ -1,6 +1,6 @@
 """The kernel layer: fused attention per piece, merged by log-sum-exp, recomputing backward.
 
-Each :class:`~cp_core.plan.slices.Piece` is one call of a fused kernel that returns the
+Each :class:`~cp_core.plan.pieces.Piece` is one call of a fused kernel that returns the
 row log-sum-exp (LSE) next to the output. Partial outputs of pieces that share query rows are
 merged with the one online-softmax rule, :func:`merge_lse` (FlashAttention, Dao et al. 2022,
 arXiv:2205.14135), which the blocked kernel's key blocks use too::
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.placement.normal_tensors import outside_inference_mode
-from cp_core.plan.slices import BAND, CAUSAL, FULL, Piece
+from cp_core.plan.pieces import BAND, CAUSAL, FULL, Piece
 from cp_core.runtime.kernels.explicit import CAUSAL_LEAF, ExplicitKernel, MathKernel
 
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -20,7 +20,7 @@ from cp_core.testing.reference_plan import build_schedule, rank_runs
 from cp_core.runtime.p2p_ring import _pack
 from cp_core.plan.record import AttentionPlan, DocumentMask
 from cp_core.plan.rects import INF, band_area, document_rects
-from cp_core.plan.slices import CAUSAL, Piece, index_runs
+from cp_core.plan.pieces import CAUSAL, Piece, index_runs
 from cp_core.placement.runs import RankRuns
 from cp_core.testing import reference_attention
 

@@ -1,4 +1,4 @@
-"""Per-rank attention slices: the step's band rectangles cropped to what each rank holds.
+"""Kernel pieces: the step's band rectangles cropped to what a rank holds, cut for fused kernels.
 
 A rank's queries and every rank's keys are runs of consecutive global positions (a head-tail
 layout has two per rank, a per-document split two per document, a chunk dispatch one per
