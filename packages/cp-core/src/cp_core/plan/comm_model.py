@@ -1,11 +1,11 @@
 """Bytes every CP rank sends per attention layer, per transport, counted exactly from the plan.
 
-Host only, ranges only: the needed key rows between two ranks come from the step's band
-rectangles cropped to the layout's runs by the runtime's own crop
-(:func:`cp_core.plan.crop.crop`) and merged per (receiver, owner) exactly as
-:func:`cp_core.plan.crop.schedule_parts` merges them for one rank's ring steps, so the counts
-are the ones the ``p2p`` ring sends. One crop covers every rank at once (the runtime crops one
-rank at a time), which is what lets a planner answer at cp = 1,024.
+Host only, ranges only: the key rows a rank needs from the others come from the step's band
+rectangles (the one mask rule) and every rank's runs, the same inputs and the same merge per
+owner as the runtime's ring schedule (:func:`cp_core.plan.schedule.schedule_for`), counted for
+every rank at once in O(runs + rectangles) (:mod:`cp_core.plan.traffic`; :func:`pair_rows`
+is the per-pair crop form). Tests hold both to every rank's runtime schedule and to the bytes
+a gloo run hands its collectives. That is what lets a planner answer at cp = 1,024.
 
 **Convention** (what :func:`transport_bytes` returns, and what a transport's gloo test
 counts): bytes one rank hands to the transport's collectives *addressed to another rank*, in
@@ -43,6 +43,7 @@ from cp_core.placement.runs import RankRuns
 from cp_core.plan.crop import crop, merged_arrays
 from cp_core.plan.rects import INF, BandRects
 from cp_core.plan.run_table import RunTable
+from cp_core.plan.traffic import traffic
 
 #: Transports the model counts.
 TRANSPORTS: tuple[str, ...] = ("p2p", "ulysses", "usp", "allgather")
@@ -101,6 +102,9 @@ def pair_rows(rects: BandRects, runs: RankRuns) -> tuple[np.ndarray, np.ndarray,
 
     The same crop and per-owner merge as each rank's :func:`schedule_parts`, over every rank's
     queries at once: ``rows`` equals the ``recv_len`` of ``dst``'s ring step from ``src``.
+    O(boxes): quadratic in the runs of a layout that deals a document out in many runs, so
+    :func:`transport_bytes` counts with :func:`cp_core.plan.traffic.traffic` instead; this
+    per-pair form serves tests and small plans.
     """
     table = RunTable.of(runs, list(range(runs.size)))
     boxes = crop(rects, table, table)
@@ -115,39 +119,6 @@ def pair_rows(rects: BandRects, runs: RankRuns) -> tuple[np.ndarray, np.ndarray,
     rows = np.add.reduceat(end - start, cut)
     pair = owner[cut]
     return pair // runs.size, pair % runs.size, rows
-
-
-def _box_pairs(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
-               dlo: np.ndarray, dhi: np.ndarray) -> np.ndarray:
-    """Allowed pairs of tightened boxes (every row sees at least one key), in closed form:
-    sum over rows ``q`` of ``min(k1, q + dhi + 1) - max(k0, q + dlo)``."""
-
-    def sum_min(c_hi: np.ndarray, off: np.ndarray) -> np.ndarray:
-        # sum_{q in [q0, q1)} min(c_hi, q + off): rows up to the break follow q + off.
-        brk = np.clip(np.where(off >= INF // 2, q0, c_hi - off), q0, q1)
-        n1 = brk - q0
-        lin = n1 * (q0 + brk - 1) // 2 + n1 * np.where(off >= INF // 2, 0, off)
-        return np.where(off >= INF // 2, 0, lin) + (q1 - brk) * c_hi
-
-    def sum_max(c_lo: np.ndarray, off: np.ndarray) -> np.ndarray:
-        # sum_{q in [q0, q1)} max(c_lo, q + off): rows from the break on follow q + off.
-        neg = off <= -INF // 2
-        brk = np.clip(np.where(neg, q1, c_lo - off), q0, q1)
-        n2 = q1 - brk
-        lin = n2 * (brk + q1 - 1) // 2 + n2 * np.where(neg, 0, off)
-        return (brk - q0) * c_lo + np.where(neg, 0, lin)
-
-    return sum_min(k1, np.where(dhi >= INF // 2, INF, dhi + 1)) - sum_max(k0, dlo)
-
-
-def rank_pairs(rects: BandRects, runs: RankRuns) -> np.ndarray:
-    """``[cp]`` allowed (query, key) pairs of every rank's queries (the attention work the
-    runtime's pieces cover), from the same crop as :func:`pair_rows`."""
-    table = RunTable.of(runs, list(range(runs.size)))
-    b = crop(rects, table, table)
-    pairs = _box_pairs(b.q0, b.q1, b.k0, b.k1, b.dlo, b.dhi)
-    pairs = pairs * np.where(b.b < 0, rects.batch, 1)
-    return np.bincount(b.q_owner, weights=pairs, minlength=runs.size).astype(np.int64)
 
 
 def group_runs(runs: RankRuns, u: int) -> RankRuns:
@@ -172,15 +143,6 @@ def kv_heads_after_split(heads: int, kv_heads: int, u: int) -> int | None:
     return u if u % kv_heads == 0 else None
 
 
-def _node_split(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, size: int,
-                per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per sending rank ``src``, ``(intra, inter)`` sums of ``nbytes``."""
-    same = (dst // per_node) == (src // per_node)
-    intra = np.bincount(src, weights=np.where(same, nbytes, 0), minlength=size)
-    inter = np.bincount(src, weights=np.where(same, 0, nbytes), minlength=size)
-    return intra.astype(np.int64), inter.astype(np.int64)
-
-
 def _a2a_peers(size: int, u: int, per_node: int) -> np.ndarray:
     """``[cp]`` other ranks of each rank's Ulysses group on the same node."""
     rank = np.arange(size)
@@ -192,16 +154,60 @@ def _a2a_peers(size: int, u: int, per_node: int) -> np.ndarray:
     return np.maximum(hi - lo, 0) - 1
 
 
-def transport_bytes(transport: str, rects: BandRects, runs: RankRuns, shape: AttentionShape,
-                    *, batch_rows: int = 1, ulysses_size: int | None = None,
-                    gpus_per_node: int = 8) -> list[RankBytes] | None:
-    """Bytes each rank sends to other ranks in one attention layer's forward (see the module
-    docstring for the convention), or None when the transport refuses the head counts.
+@dataclass(frozen=True)
+class TransportParts:
+    """Per rank ``[cp]`` arrays of one transport's forward bytes, by phase and link: the
+    needed-only ring (K/V), the all-to-alls' K/V and their Q/O; ``ring_steps`` ring steps."""
 
-    ``rects`` and ``runs`` are the step's band rectangles and every rank's runs (what
-    :func:`cp_core.plan.schedule.schedule_for` reads); ``batch_rows`` is the local tensors'
-    batch size ``B`` (the rows of a row layout, 1 for one flat stream); ``ulysses_size`` is
-    ``u`` of ``usp`` (``cp = u * r``)."""
+    ring_intra: np.ndarray
+    ring_inter: np.ndarray
+    a2a_kv_intra: np.ndarray
+    a2a_kv_inter: np.ndarray
+    a2a_qo_intra: np.ndarray
+    a2a_qo_inter: np.ndarray
+    u: int
+    ring_steps: int
+
+    def per_rank(self) -> list[RankBytes]:
+        """The :class:`RankBytes` of every rank."""
+        kv_in = self.ring_intra + self.a2a_kv_intra
+        kv_out = self.ring_inter + self.a2a_kv_inter
+        return [RankBytes(r, int(kv_in[r]), int(kv_out[r]), int(self.a2a_qo_intra[r]),
+                          int(self.a2a_qo_inter[r])) for r in range(kv_in.size)]
+
+
+def _ring_rows(rects: BandRects, runs: RankRuns, u: int, per_node: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``[cp]`` key rows each rank sends in the ring across the groups of ``u``, split
+    ``(same node, other node)``: rank ``i`` of a group sends its group's rows (its heads)."""
+    grouped = group_runs(runs, u)
+    r = grouped.size
+    g = np.arange(r)
+    size = runs.size
+    intra = np.zeros(size, np.int64)
+    inter = np.zeros(size, np.int64)
+    if per_node % u == 0 or u % per_node == 0:
+        # Every slot of a group sits on the group's first node (u divides the node) or every
+        # cross-group peer is on another node (the node divides u).
+        near = g * u // per_node if per_node % u == 0 else None
+        t = traffic(rects, grouped, near)
+        slots = [(np.arange(u), t)]
+    else:
+        slots = [(np.array([i]), traffic(rects, grouped, (g * u + i) // per_node))
+                 for i in range(u)]
+    for idx, t in slots:
+        ranks = (g[:, None] * u + idx[None, :]).reshape(-1)
+        sent = np.repeat(t.sent, idx.size)
+        near_rows = np.repeat(t.sent_near, idx.size)
+        intra[ranks] = near_rows
+        inter[ranks] = sent - near_rows
+    return intra, inter
+
+
+def transport_parts(transport: str, rects: BandRects, runs: RankRuns, shape: AttentionShape,
+                    *, batch_rows: int = 1, ulysses_size: int | None = None,
+                    gpus_per_node: int = 8) -> TransportParts | None:
+    """:func:`transport_bytes` by phase (ring, all-to-all), or None when refused."""
     size = runs.size
     n = runs.num_local(0)
     if transport not in TRANSPORTS:
@@ -210,40 +216,50 @@ def transport_bytes(transport: str, rects: BandRects, runs: RankRuns, shape: Att
     u = {"p2p": 1, "ulysses": size, "allgather": 1}.get(transport, ulysses_size)
     if u is None:
         raise CPConfigError("transport='usp' needs ulysses_size (u, with cp = u * r)")
+    if u < 1 or size % u:
+        raise CPConfigError(f"cp.ulysses_size={u} must divide cp={size}")
+    zero = np.zeros(size, np.int64)
     if transport == "allgather":
         kv_row = batch_rows * shape.kv_heads * (shape.head_dim + shape.dv) * shape.itemsize
-        peers = np.arange(size)
-        same = np.minimum(per_node, size - peers // per_node * per_node) - 1
-        return [RankBytes(r, int(same[r]) * n * kv_row, int(size - 1 - same[r]) * n * kv_row)
-                for r in range(size)]
+        rank = np.arange(size)
+        same = np.minimum(per_node, size - rank // per_node * per_node) - 1
+        return TransportParts(same * n * kv_row, (size - 1 - same) * n * kv_row, zero, zero,
+                              zero, zero, 1, 1 if size > 1 else 0)
     hk = kv_heads_after_split(shape.heads, shape.kv_heads, u)
     if hk is None:
         return None
     kv_row = batch_rows * (hk // u) * (shape.head_dim + shape.dv) * shape.itemsize
-    kv_intra = np.zeros(size, np.int64)
-    kv_inter = np.zeros(size, np.int64)
+    ring_intra, ring_inter = zero, zero
     if u < size:  # the needed-only ring across the groups
-        dst, src, rows = pair_rows(rects, group_runs(runs, u))
-        g_intra = np.zeros(size, np.int64)
-        for i in range(u):  # rank i of each group talks to rank i of the others
-            a, b = _node_split(dst * u + i, src * u + i, rows * kv_row, size, per_node)
-            g_intra += a
-            kv_inter += b
-        kv_intra = g_intra
-    qo_intra = np.zeros(size, np.int64)
-    qo_inter = np.zeros(size, np.int64)
+        rows_in, rows_out = _ring_rows(rects, runs, u, per_node)
+        ring_intra, ring_inter = rows_in * kv_row, rows_out * kv_row
+    a2a = [zero] * 4
     if u > 1:  # the all-to-alls inside the groups: (u - 1) / u of every input leaves
-        peers_here = _a2a_peers(size, u, per_node)
-        peers_away = (u - 1) - peers_here
+        here = _a2a_peers(size, u, per_node)
+        away = (u - 1) - here
         part = batch_rows * n  # token rows of one all-to-all chunk, per head
         kv_part = part * (hk // u) * (shape.head_dim + shape.dv) * shape.itemsize
         qo_part = part * (shape.heads // u) * (shape.head_dim + shape.dv) * shape.itemsize
-        kv_intra += peers_here * kv_part
-        kv_inter += peers_away * kv_part
-        qo_intra += peers_here * qo_part
-        qo_inter += peers_away * qo_part
-    return [RankBytes(r, int(kv_intra[r]), int(kv_inter[r]), int(qo_intra[r]),
-                      int(qo_inter[r])) for r in range(size)]
+        a2a = [here * kv_part, away * kv_part, here * qo_part, away * qo_part]
+    return TransportParts(ring_intra, ring_inter, *a2a, u, size // u - 1)
+
+
+def transport_bytes(transport: str, rects: BandRects, runs: RankRuns, shape: AttentionShape,
+                    *, batch_rows: int = 1, ulysses_size: int | None = None,
+                    gpus_per_node: int = 8) -> list[RankBytes] | None:
+    """Bytes each rank sends to other ranks in one attention layer's forward (see the module
+    docstring for the convention), or None when the transport refuses the head counts.
+
+    ``rects`` and ``runs`` are the step's band rectangles and every rank's runs (what
+    :func:`cp_core.plan.schedule.schedule_for` reads: ``plan_rects(plan)``,
+    ``plan.rank_runs``); ``batch_rows`` is the local tensors' batch size ``B`` (the rows of a
+    row layout, 1 for one flat stream); ``ulysses_size`` is ``u`` of ``usp`` (``cp = u * r``,
+    groups of ``u`` consecutive ranks). Cost O(runs + rectangles) per call (the ring's rows
+    come from :func:`cp_core.plan.traffic.traffic`, held to the runtime's schedule by tests).
+    """
+    parts = transport_parts(transport, rects, runs, shape, batch_rows=batch_rows,
+                            ulysses_size=ulysses_size, gpus_per_node=gpus_per_node)
+    return None if parts is None else parts.per_rank()
 
 
 def ulysses_sizes(size: int, shape: AttentionShape) -> list[int]:
@@ -258,6 +274,7 @@ def busiest(per_rank: Sequence[RankBytes]) -> RankBytes:
     return max(per_rank, key=lambda b: (b.total, -b.rank))
 
 
-__all__ = ["TRANSPORTS", "AttentionShape", "RankBytes", "pair_rows", "rank_pairs",
-           "group_runs", "kv_heads_after_split", "transport_bytes", "ulysses_sizes",
+__all__ = ["TRANSPORTS", "AttentionShape", "RankBytes", "pair_rows",
+           "group_runs", "kv_heads_after_split", "TransportParts", "transport_parts",
+           "transport_bytes", "ulysses_sizes",
            "busiest"]
