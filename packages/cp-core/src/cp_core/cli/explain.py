@@ -1,35 +1,46 @@
 """``cp-plan --explain``: what every installed backend and transport serves, and what is legal.
 
-For a CP size, a sequence length and (optionally) head counts, each installed backend is
-asked, not described from a table: its config is validated by its own model and a packed row
-of that length is sharded on a simulated rank 0. The answer is either what the layout does
-with it (rows or one flat stream per rank, the padded stream length, the local tokens) or
-the backend's own refusal. Nothing here knows any backend by name.
+For a CP size, a batch (``plan.rows`` histogram rows of ``plan.seq_len`` tokens), a model
+shape and a topology, each installed backend is asked, not described from a table: its config
+is validated by its own model and the batch is sharded on a simulated rank 0. The answer is
+either what the layout does with it (rows or one flat stream per rank, the padded stream
+length, the local tokens) or the backend's own refusal; then which layout it would pick
+(:mod:`cp_core.cli.pick`), and for that layout the bytes per rank per layer and the estimated
+step time of every transport and Ulysses split (:mod:`cp_core.sizing`), with a
+recommendation. Nothing here knows any backend by name.
 
     cp-plan --explain cp.size=4 plan.seq_len=8192 heads=32 kv_heads=8 cp.attention=causal
+    cp-plan --explain cp.size=1024 plan.seq_len=1048576 model=llama3_8b topo=h100_nvlink_ib400
+    cp-plan --explain cp.size=64 model.layers=40 topo.inter_gbps=25 topo.gpus_per_node=4
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from cp_core.errors import CPError
+from cp_core.plan.time_model import DEFAULT_TOPOLOGY, PRESETS, Topology, topology
 from cp_core.registry import Backend, default_registry
+from cp_core.sizing import MODEL_PRESETS, ModelShape
 
 if TYPE_CHECKING:
     from cp_core.cli.app import AppSpec
 
-#: Keys ``--explain`` understands, with their defaults.
-EXPLAIN_DEFAULTS: dict[str, Any] = {"cp.size": 2, "plan.seq_len": 8192, "heads": None,
-                                    "kv_heads": None, "cp.attention": "causal", "cp.window": None,
-                                    "cp.chunk": None}
+#: Keys ``--explain`` understands, with their defaults (``model.<field>`` and
+#: ``topo.<field>`` override the chosen presets' fields).
+EXPLAIN_DEFAULTS: dict[str, Any] = {"cp.size": 2, "plan.seq_len": 8192, "plan.rows": 1,
+                                    "heads": None, "kv_heads": None, "cp.attention": "causal",
+                                    "cp.window": None, "cp.chunk": None, "model": "llama3_8b",
+                                    "topo": "h100_nvlink_ib400", "explain.layout_cpu_s": 3.0}
+_TEXT_KEYS = ("cp.attention", "model", "topo")
 
 
 @dataclass(frozen=True)
 class Question:
-    """What the user asks about: the CP size, the row length, heads and attention."""
+    """What the user asks about: the CP size, the batch, heads, attention, model, topology."""
 
     size: int
     seq_len: int
@@ -38,6 +49,36 @@ class Question:
     attention: str
     window: int | None
     chunk: int | None
+    rows: int = 1
+    model: ModelShape = MODEL_PRESETS["llama3_8b"]
+    topo: Topology = PRESETS[DEFAULT_TOPOLOGY]
+    layout_cpu_s: float = 3.0
+
+
+def _model(values: dict[str, Any], fields: dict[str, str]) -> ModelShape:
+    from cp_core.cli.app import CLIUsageError
+
+    name = values["model"]
+    if name not in MODEL_PRESETS:
+        raise CLIUsageError(f"model={name!r}: presets are {sorted(MODEL_PRESETS)}")
+    base = dataclasses.asdict(MODEL_PRESETS[name])
+    if values["heads"] is not None:
+        base["heads"] = values["heads"]
+    if values["kv_heads"] is not None:
+        base["kv_heads"] = values["kv_heads"]
+    for key, value in fields.items():
+        if key not in base:
+            raise CLIUsageError(f"unknown key model.{key}; valid keys: {sorted(base)}")
+        if key == "dtype":
+            base[key] = value
+            continue
+        try:
+            base[key] = int(value)
+        except ValueError:
+            raise CLIUsageError(f"model.{key}={value!r}: expected an integer") from None
+        if base[key] < 1:
+            raise CLIUsageError(f"model.{key}={value}: must be >= 1")
+    return ModelShape(**base)
 
 
 def parse_question(args: Sequence[str]) -> Question:
@@ -45,23 +86,36 @@ def parse_question(args: Sequence[str]) -> Question:
     from cp_core.cli.app import CLIUsageError
 
     values = dict(EXPLAIN_DEFAULTS)
+    model_fields: dict[str, str] = {}
+    topo_fields: dict[str, str] = {}
     for arg in args:
         key, sep, value = arg.partition("=")
+        if sep and key.startswith("model."):
+            model_fields[key[len("model."):]] = value
+            continue
+        if sep and key.startswith("topo."):
+            topo_fields[key[len("topo."):]] = value
+            continue
         if not sep or key not in values:
-            raise CLIUsageError(f"--explain takes {', '.join(k + '=' for k in values)}; "
-                                f"got {arg!r}")
-        if key == "cp.attention":
+            raise CLIUsageError(f"--explain takes {', '.join(k + '=' for k in values)}, "
+                                f"model.<field>=, topo.<field>=; got {arg!r}")
+        if key in _TEXT_KEYS:
             values[key] = value
             continue
         try:
-            values[key] = int(value)
+            values[key] = float(value) if key == "explain.layout_cpu_s" else int(value)
         except ValueError:
-            raise CLIUsageError(f"{key}={value!r}: expected an integer") from None
-        if values[key] < 1:
+            raise CLIUsageError(f"{key}={value!r}: expected a number") from None
+        if values[key] < (0 if key == "explain.layout_cpu_s" else 1):
             raise CLIUsageError(f"{key}={value}: must be >= 1")
+    try:
+        topo = topology(values["topo"], topo_fields)
+    except CPError as exc:
+        raise CLIUsageError(str(exc)) from None
     return Question(values["cp.size"], values["plan.seq_len"], values["heads"],
                     values["kv_heads"], values["cp.attention"], values["cp.window"],
-                    values["cp.chunk"])
+                    values["cp.chunk"], values["plan.rows"], _model(values, model_fields), topo,
+                    float(values["explain.layout_cpu_s"]))
 
 
 def _distribution(name: str) -> str:
@@ -85,6 +139,11 @@ def probe(backend: Backend, q: Question) -> str:
         _, local = sharder.shard(make_packed_batch([docs], 1000, 0))
     except CPError as exc:
         return "refuses: " + " ".join(str(exc).split())
+    return describe_shard(sharder, local)
+
+
+def describe_shard(sharder: Any, local: Any) -> str:
+    """What a layout did with a batch on rank 0: rows or one stream, local and padded sizes."""
     layout = sharder.shard_layout
     labels = local["labels"]
     primary = local.get("input_ids", local.get("inputs_embeds"))
@@ -149,9 +208,12 @@ def _transport_lines(q: Question) -> list[str]:
 
 def explain(q: Question) -> str:
     """The whole ``--explain`` report."""
+    from cp_core.cli.pick import plan_all, recommend_from
+
     loaded, errors = default_registry().load_all()
-    lines = [f"cp-plan --explain: cp.size={q.size}, one packed row of {q.seq_len} tokens "
-             f"(2 documents), cp.attention={q.attention}", "", "backends (cp=<name>):"]
+    planned = {p.name: p for p in plan_all(q, sorted(loaded))}
+    lines = [f"cp-plan --explain: cp.size={q.size}, {q.rows} histogram row(s) of "
+             f"{q.seq_len:,} tokens, cp.attention={q.attention}", "", "backends (cp=<name>):"]
     for name, backend in loaded.items():
         kernels = [f"cp.{k}={backend.config_model.model_fields[k].default}"
                    for k in backend.config_model.model_fields if k.startswith("use_")]
@@ -159,17 +221,59 @@ def explain(q: Question) -> str:
                   f"    serves attention: {', '.join(backend.attention_kinds)}",
                   "    kernels: the cp.transport below" + (
                       f"; GPU kernels when present: {', '.join(kernels)}" if kernels else ""),
-                  f"    at cp.size={q.size}: {probe(backend, q)}"]
+                  f"    at cp.size={q.size}: {planned[name].probe}"]
     for name, exc in errors.items():
         lines.append(f"  {name}: installed but fails to load: {exc}")
     heads = _heads_line(q)
     if heads:
         lines += ["", heads]
     lines += ["", "attention transports (cp.transport=<name>):", *_transport_lines(q)]
-    from cp_core.cli.pick import recommend
-
-    lines += ["", *recommend(q, sorted(loaded))]
+    pick_lines, pick = recommend_from(q, [planned[n] for n in sorted(planned)])
+    lines += ["", *pick_lines]
+    lines += ["", *_transport_table(q, planned, pick)]
     return "\n".join(lines)
+
+
+def _transport_table(q: Question, planned: dict[str, Any], pick: str | None) -> list[str]:
+    """Bytes per rank per layer and estimated step time of every transport and split for the
+    picked layout, the best option of every other layout, and the recommendation."""
+    from cp_core.sizing import best_option, format_options, transport_options
+
+    m, t = q.model, q.topo
+    head = (f"transports for {m.layers} layers x {m.heads} heads ({m.kv_heads} K/V) x "
+            f"{m.head_dim} {m.dtype} on {t.name} ({t.gpus_per_node} GPUs/node, "
+            f"{t.intra_gbps:g}/{t.inter_gbps:g} GB/s intra/inter, {t.tflops:g} TFLOP/s); "
+            "bytes: the busiest rank, one layer's forward; times: attention + its "
+            "communication per step, slowest rank (docs/reference/comm-model.md):")
+    counted = {n: p.counts for n, p in planned.items() if p.counts is not None}
+    if pick is None or pick not in counted:
+        return [head, "  no layout to size"]
+    best: dict[str, Any] = {}
+    lines = [head, f"cp={pick}:"]
+    for name, counts in counted.items():
+        opts = transport_options(counts, m, t)
+        if not opts:
+            continue
+        best[name] = best_option(opts)
+        if name == pick:
+            lines += format_options(opts)
+    others = [f"  cp={n}: best {o.label}, {1e3 * o.time.overlap:,.1f} ms overlapped"
+              for n, o in sorted(best.items(), key=lambda x: x[1].time.overlap) if n != pick]
+    if others:
+        lines += ["best option of every other layout:", *others]
+    if pick in best:
+        o = best[pick]
+        split = (f" cp.ulysses_size={o.u}" if o.transport == "usp" else "")
+        overall = min(best, key=lambda n: best[n].time.overlap)
+        lines.append(f"recommend: cp={pick} cp.transport={o.transport}{split} "
+                     f"({o.label}: {1e3 * o.time.overlap:,.1f} ms per step overlapped, "
+                     f"{1e3 * o.time.no_overlap:,.1f} ms without; the picked layout balances the "
+                     "work, the split moves the fewest slow bytes)")
+        if overall != pick:
+            lines.append(f"  (cp={overall} with {best[overall].label} estimates "
+                         f"{1e3 * best[overall].time.overlap:,.1f} ms: faster on this model, "
+                         "at the balance shown above)")
+    return lines
 
 
 def explain_main(spec: AppSpec, args: Sequence[str]) -> int:

@@ -1,60 +1,128 @@
 """``cp-plan --explain``'s choice: which installed layout it would use for a batch, and why.
 
-Every installed backend that serves the asked attention kind plans one packed row drawn from
-the shared document-length histogram (documents up to a quarter of the row, seed 0) on every
-simulated rank (:func:`cp_core.rank_stats.plan_layout`: work and received key rows from each
-rank's own p2p schedule). Among the layouts whose attention work max/mean is within
-:data:`BALANCED` the pick is the one whose busiest rank receives the fewest key rows (ties:
-the better balance); when none is balanced, the most balanced. Nothing here knows any backend
-by name.
+Every installed backend shards the asked batch (``plan.rows`` packed rows drawn from the
+shared document-length histogram, documents up to a quarter of the row, seed 0) on one
+simulated rank; every rank's attention work and received key rows are counted from that
+plan's band rectangles and runs (:mod:`cp_core.sizing`), the numbers ``cp-plan`` prints per
+rank. Among the layouts whose attention work max/mean is within :data:`BALANCED` the pick is
+the one whose busiest rank receives the fewest key rows (ties: the better balance); when none
+is balanced, the most balanced. Nothing here knows any backend by name.
+
+Each backend plans in a forked child process under a CPU-time limit (``explain.layout_cpu_s``):
+a layout solver that would take minutes at the asked size is reported as not planned, with
+the limit, instead of holding the answer.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import resource
+import sys
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cp_core.errors import CPError
 
 if TYPE_CHECKING:
     from cp_core.cli.explain import Question
+    from cp_core.sizing import LayoutCounts
 
 #: Work max/mean a layout may reach and still count as balanced.
 BALANCED = 1.01
 
 
-def _row(q: "Question") -> dict[str, Any]:
+def batch_for(q: "Question") -> dict[str, Any]:
+    """The batch ``--explain`` plans: ``q.rows`` histogram rows of ``q.seq_len`` tokens."""
     from cp_core.datasets import make_packed_batch, packed_rows
 
-    return make_packed_batch(packed_rows(1, q.seq_len, 0, cap_fraction=0.25), 1000, 0)
+    return make_packed_batch(packed_rows(q.rows, q.seq_len, 0, cap_fraction=0.25), 1000, 0)
 
 
-def recommend(q: "Question", names: list[str]) -> list[str]:
-    """Report lines: each candidate's balance and busiest received rows, then the pick."""
-    from cp_core.rank_stats import plan_layout
+@dataclass
+class Planned:
+    """One backend's answer: its probe line, its counts (None: no plan to count), or why not."""
 
-    batch = _row(q)
-    rows: list[tuple[str, float, int]] = []
-    refused: list[str] = []
+    name: str
+    probe: str
+    counts: "LayoutCounts | None" = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _plan_one(q: "Question", name: str, batch: dict[str, Any]) -> Planned:
+    from cp_core.cli.explain import describe_shard
+    from cp_core.sizing import counts_from_plan, plan_of
+
+    cfg = {"backend": name, "size": q.size, "attention": q.attention, "window": q.window,
+           "chunk": q.chunk}
+    try:
+        sharder, local, plan = plan_of(cfg, batch)
+    except CPError as exc:
+        return Planned(name, "refuses: " + " ".join(str(exc).split()),
+                       error=type(exc).__name__)
+    counts = counts_from_plan(name, plan, local, q.topo.gpus_per_node)
+    return Planned(name, describe_shard(sharder, local), counts)
+
+
+def _child(conn: Any, q: "Question", name: str, batch: dict[str, Any], cpu_s: float) -> None:
+    if cpu_s > 0:  # SIGXCPU ends the child once it has used this much CPU time
+        lim = max(1, int(cpu_s + 0.999))
+        resource.setrlimit(resource.RLIMIT_CPU, (lim, lim + 1))
+    try:
+        conn.send(_plan_one(q, name, batch))
+    except Exception as exc:  # reported by name in the parent's table
+        conn.send(Planned(name, f"fails: {type(exc).__name__}: {exc}", error="error"))
+    conn.close()
+
+
+def plan_all(q: "Question", names: list[str]) -> list[Planned]:
+    """Every backend's :class:`Planned`, each in a forked child under the CPU limit (in this
+    process when forking is unavailable or the limit is 0). A progress line per backend goes
+    to stderr."""
+    batch = batch_for(q)
+    fork = "fork" in mp.get_all_start_methods() and q.layout_cpu_s > 0
+    out = []
     for name in names:
-        cfg = {"backend": name, "size": q.size, "attention": q.attention, "window": q.window,
-               "chunk": q.chunk}
-        try:
-            plan = plan_layout(cfg, batch)
-        except CPError as exc:
-            refused.append(f"{name} ({type(exc).__name__})")
-            continue
-        recv = [r.recv_rows for r in plan.ranks]
-        if plan.work_balance is None or None in recv:
-            continue  # no plan to count from (a layout that slices in the model's forward)
-        rows.append((name, float(plan.work_balance), int(max(recv))))
-    lines = [f"which layout for one histogram row of {q.seq_len} tokens at cp.size={q.size} "
-             f"({q.attention}):"]
+        print(f"cp-plan --explain: planning cp={name} at cp.size={q.size} "
+              f"({q.rows} x {q.seq_len:,} tokens)...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        if not fork:
+            got = _plan_one(q, name, batch)
+        else:
+            ctx = mp.get_context("fork")
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(send, q, name, batch, q.layout_cpu_s))
+            proc.start()
+            send.close()
+            try:
+                got = recv.recv()
+            except EOFError:
+                got = Planned(name, f"not planned: over explain.layout_cpu_s={q.layout_cpu_s:g}"
+                              " s of host time at this size (raise it to wait)",
+                              error="limit")
+            proc.join()
+        got.seconds = time.perf_counter() - start
+        out.append(got)
+    return out
+
+
+def recommend_from(q: "Question", planned: list[Planned]) -> tuple[list[str], str | None]:
+    """Report lines (each candidate's balance and busiest received rows, then the pick) and
+    the picked backend's name."""
+    rows: list[tuple[str, float, int]] = []
+    refused = [f"{p.name} ({p.error})" for p in planned if p.error]
+    for p in planned:
+        if p.counts is not None:
+            rows.append((p.name, p.counts.work_balance, int(p.counts.traffic.recv.max())))
+    lines = [f"which layout for {q.rows} histogram row(s) of {q.seq_len} tokens at "
+             f"cp.size={q.size} ({q.attention}):"]
     lines += [f"  {n:<14} work max/mean {b:.4f}   busiest rank receives {r:,} key rows"
               for n, b, r in sorted(rows, key=lambda x: (x[2], x[1]))]
     if refused:
-        lines.append(f"  refused: {', '.join(refused)}")
+        lines.append(f"  refused or not planned: {', '.join(refused)}")
     if not rows:
-        return lines + ["  pick: none (no installed layout plans this batch)"]
+        return lines + ["  pick: none (no installed layout plans this batch)"], None
     balanced = [x for x in rows if x[1] <= BALANCED]
     if balanced:
         name, bal, recv = min(balanced, key=lambda x: (x[2], x[1]))
@@ -67,7 +135,12 @@ def recommend(q: "Question", names: list[str]) -> list[str]:
     else:
         name, bal, recv = min(rows, key=lambda x: (x[1], x[2]))
         why = f"no layout is within {BALANCED:.2f}; this one is the most balanced ({bal:.4f})"
-    return lines + [f"  pick: cp={name}: {why}"]
+    return lines + [f"  pick: cp={name}: {why}"], name
 
 
-__all__ = ["BALANCED", "recommend"]
+def recommend(q: "Question", names: list[str]) -> list[str]:
+    """Report lines: each candidate's balance and busiest received rows, then the pick."""
+    return recommend_from(q, plan_all(q, names))[0]
+
+
+__all__ = ["BALANCED", "Planned", "batch_for", "plan_all", "recommend_from", "recommend"]
