@@ -241,9 +241,15 @@ def _active_plan(ctx_factory: Any) -> AttentionPlan | None:
 
 
 def plan_layout(config: Any, batch: Mapping[str, Any], *,
-                block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> LayoutPlan:
-    """Shard ``batch`` on every rank of ``config`` (a CP config mapping with ``backend`` and
-    ``size``, validated by the backend's model) and collect the per-rank statistics."""
+                block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+                every_rank: bool = False) -> LayoutPlan:
+    """Shard ``batch`` on ``config``'s ranks (a CP config mapping with ``backend`` and
+    ``size``, validated by the backend's model) and collect the per-rank statistics.
+
+    Rank 0's plan holds every rank's runs: when its mask describes itself as rectangles, every
+    rank's numbers are counted from them (:func:`cp_core.rank_stats_fast.plan_from_rank0`,
+    O(runs + rectangles)); otherwise, or with ``every_rank=True``, every rank is sharded in
+    turn and counted from its own schedule."""
     from cp_core.registry import build_sharder, resolve_config
 
     backend, cfg = resolve_config(config)
@@ -251,6 +257,12 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
         raise CPConfigError(
             f"plan_layout needs cp.size (the number of ranks to simulate) for {backend.name!r}")
     size = int(cfg.size)
+    if not every_rank:
+        from cp_core.rank_stats_fast import plan_from_rank0
+
+        fast = plan_from_rank0(backend.name, cfg, size, batch)
+        if fast is not None:
+            return fast
     ranks: list[RankPlan] = []
     owner: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None

@@ -99,7 +99,7 @@ class Traffic:
     """Rows sent to ranks of the same ``near`` class (a node), out of ``sent``."""
 
 
-def _covered(keys_lo: np.ndarray, keys_hi: np.ndarray, q_lo: np.ndarray, q_hi: np.ndarray
+def covered(keys_lo: np.ndarray, keys_hi: np.ndarray, q_lo: np.ndarray, q_hi: np.ndarray
              ) -> np.ndarray:
     """For each query interval, the integral over it of how many of the (possibly
     overlapping) ``[keys_lo, keys_hi)`` intervals cover each position."""
@@ -132,17 +132,17 @@ def traffic(rects: BandRects, runs: RankRuns, near: np.ndarray | None = None,
     table = RunTable.of(runs, list(range(size)))
     span = int(max(table.end.max(initial=0), hi.max(initial=0))) + 1
     # Each rank's own positions inside its union: never sent (keyed by rank, one pass).
-    own_in = _covered(dst * span + lo, dst * span + hi, table.owner * span + table.start,
+    own_in = covered(dst * span + lo, dst * span + hi, table.owner * span + table.start,
                       table.owner * span + table.end)
     own = np.bincount(table.owner, weights=own_in, minlength=size).astype(np.int64)
     need = np.bincount(dst, weights=hi - lo, minlength=size).astype(np.int64)
-    all_in = _covered(lo, hi, table.start, table.end)
+    all_in = covered(lo, hi, table.start, table.end)
     sent = np.bincount(table.owner, weights=all_in, minlength=size).astype(np.int64) - own
     if near is None:
         sent_near = np.zeros(size, np.int64)
     else:
         cls = np.asarray(near, np.int64)
-        near_in = _covered(cls[dst] * span + lo, cls[dst] * span + hi,
+        near_in = covered(cls[dst] * span + lo, cls[dst] * span + hi,
                            cls[table.owner] * span + table.start,
                            cls[table.owner] * span + table.end)
         sent_near = np.bincount(table.owner, weights=near_in, minlength=size).astype(
@@ -150,4 +150,4 @@ def traffic(rects: BandRects, runs: RankRuns, near: np.ndarray | None = None,
     return Traffic(recv=need - own, sent=sent, sent_near=sent_near)
 
 
-__all__ = ["QueryBoxes", "query_boxes", "rank_work", "Traffic", "traffic"]
+__all__ = ["QueryBoxes", "query_boxes", "rank_work", "Traffic", "traffic", "covered"]
