@@ -230,6 +230,12 @@ def format_comparison(results: Sequence[Mapping[str, Any]]) -> str:
 PLOT_INSTALL = "pip install 'cp-core[plot]'"
 
 
+def _progress(what: str) -> None:
+    """One line on stderr before a step that may take over a second (the report itself goes
+    to stdout / the log when it is ready)."""
+    print(f"cp-plan: {what}...", file=sys.stderr, flush=True)
+
+
 def plan_from_config(cp: Mapping[str, Any], plan: Mapping[str, Any] | None = None,
                      plot_suffix: str = "") -> tuple[LayoutPlan, str]:
     """Plan the configured batch under the CP config ``cp``; returns the plan and its report
@@ -239,9 +245,11 @@ def plan_from_config(cp: Mapping[str, Any], plan: Mapping[str, Any] | None = Non
     pc = parse_plan_config(plan)
     check_plan_size(cp.get("size"), pc)
     batch, description = load_batch(pc)
+    _progress(f"planning cp={cp.get('backend')} cp.size={cp.get('size')} on {description}")
     layout_plan = plan_layout(dict(cp), batch)
     text = format_plan(layout_plan, description, _shape(batch))
     if pc.plot:
+        _progress(f"drawing {pc.plot}")
         out = Path(pc.plot).expanduser()
         if plot_suffix:
             out = out.with_name(f"{out.stem}{plot_suffix}{out.suffix or '.png'}")
