@@ -1,6 +1,6 @@
 """One entry point for the benchmarks: prints a table and writes JSON per benchmark.
 
-    python tools/bench/run.py {balance,host,gather,transport,step,locality,all} [--quick] [--out DIR] [--peers]
+    python tools/bench/run.py {balance,host,gather,transport,step,locality,comm,all} [--quick] [--out DIR] [--peers]
         [--forms all|position_ids]
 
 ``--quick`` runs tiny sizes in seconds (what the smoke test uses); ``--peers`` creates the
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import DEFAULT_OUT, print_result, write_result  # noqa: E402
 
-BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality")
+BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality", "comm")
 
 
 def _runner(name: str) -> Callable[..., dict[str, Any]]:
@@ -45,6 +45,10 @@ def _runner(name: str) -> Callable[..., dict[str, Any]]:
         from bench_locality import run_locality
 
         return run_locality
+    if name == "comm":
+        from bench_comm import run_comm
+
+        return run_comm
     from bench_step import run_step
 
     return run_step
