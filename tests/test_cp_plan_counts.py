@@ -60,7 +60,7 @@ def test_explain_sizes_transports_and_recommends(capsys: pytest.CaptureFixture[s
     assert "planning cp=round_robin" in out.err  # the progress lines
     text = out.out
     assert "4 GPUs/node" in text
-    labels = re.findall(r"^  (p2p|ulysses|usp \d+x\d+)\s+[0-9,.]+", text, re.M)
+    labels = re.findall(r"^  \| (p2p|ulysses|usp \d+x\d+) \| [0-9,.]+", text, re.M)
     # 32 heads over 16 ranks: every u dividing 16 is legal (8 K/V heads replicate past 8).
     assert labels == ["p2p", "usp 2x8", "usp 4x4", "usp 8x2", "ulysses"], text
     rec = re.search(r"^recommend: cp=(\S+) cp\.transport=(\S+)", text, re.M)

@@ -64,6 +64,8 @@ class LayoutCounts:
     batch_rows: int
     work: np.ndarray
     traffic: Traffic
+    per_node: int = 8
+    """GPUs per node ``traffic.sent_near`` was counted with."""
 
     @property
     def size(self) -> int:
@@ -108,7 +110,7 @@ def counts_from_plan(backend: str, plan: Any, local: Mapping[str, Any],
     boxes = query_boxes(rects, runs)
     near = np.arange(runs.size) // max(1, per_node)
     return LayoutCounts(backend, runs, rects, rows, rank_work(rects, runs, boxes),
-                        traffic(rects, runs, near, boxes))
+                        traffic(rects, runs, near, boxes), max(1, per_node))
 
 
 def layout_counts(config: Mapping[str, Any], batch: Mapping[str, Any],
@@ -179,7 +181,9 @@ def transport_options(counts: LayoutCounts, model: ModelShape, topo: Topology,
     for name, u in names:
         parts = transport_parts(name, counts.rects, counts.runs, shape,
                                 batch_rows=counts.batch_rows, ulysses_size=u,
-                                gpus_per_node=topo.gpus_per_node)
+                                gpus_per_node=topo.gpus_per_node,
+                                p2p_traffic=(counts.traffic if counts.per_node ==
+                                             topo.gpus_per_node else None))
         if parts is None:
             continue
         loads = _loads(counts, parts, shape)
@@ -193,15 +197,15 @@ def _mb(n: int) -> str:
 
 
 def format_options(options: list[Option]) -> list[str]:
-    """The table: busiest rank's forward bytes per layer (MiB) and step times (ms)."""
-    head = (f"  {'transport':<14} {'K/V MiB':>9} {'total MiB':>10} {'intra MiB':>10} "
-            f"{'inter MiB':>10} {'step ms':>9} {'overlapped':>11}")
-    lines = [head]
+    """The table (Markdown rows): busiest rank's forward bytes per layer (MiB) and step times
+    (ms)."""
+    lines = ["  | transport | K/V MiB | total MiB | intra MiB | inter MiB | step ms | "
+             "overlapped ms |", "  | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for o in options:
         kv, total, intra, inter = o.busiest()
-        lines.append(f"  {o.label:<14} {_mb(kv):>9} {_mb(total):>10} {_mb(intra):>10} "
-                     f"{_mb(inter):>10} {1e3 * o.time.no_overlap:>9,.1f} "
-                     f"{1e3 * o.time.overlap:>11,.1f}")
+        lines.append(f"  | {o.label} | {_mb(kv)} | {_mb(total)} | {_mb(intra)} | "
+                     f"{_mb(inter)} | {1e3 * o.time.no_overlap:,.1f} | "
+                     f"{1e3 * o.time.overlap:,.1f} |")
     return lines
 
 

@@ -237,7 +237,7 @@ def explain(q: Question) -> str:
 def _transport_table(q: Question, planned: dict[str, Any], pick: str | None) -> list[str]:
     """Bytes per rank per layer and estimated step time of every transport and split for the
     picked layout, the best option of every other layout, and the recommendation."""
-    from cp_core.sizing import best_option, format_options, transport_options
+    from cp_core.sizing import best_option, format_options
 
     m, t = q.model, q.topo
     head = (f"transports for {m.layers} layers x {m.heads} heads ({m.kv_heads} K/V) x "
@@ -245,8 +245,7 @@ def _transport_table(q: Question, planned: dict[str, Any], pick: str | None) -> 
             f"{t.intra_gbps:g}/{t.inter_gbps:g} GB/s intra/inter, {t.tflops:g} TFLOP/s); "
             "bytes: the busiest rank, one layer's forward; times: attention + its "
             "communication per step, slowest rank (docs/reference/comm-model.md):")
-    counted = {n: p.counts for n, p in planned.items() if p.counts is not None}
-    options = {n: transport_options(c, m, t) for n, c in counted.items()}
+    options = {n: p.options for n, p in planned.items() if p.options}
     best = {n: best_option(o) for n, o in options.items() if o}
     if not best:
         return [head, "  no layout to size"]

@@ -26,7 +26,7 @@ from cp_core.errors import CPError
 
 if TYPE_CHECKING:
     from cp_core.cli.explain import Question
-    from cp_core.sizing import LayoutCounts
+    from cp_core.sizing import LayoutCounts, Option
 
 #: Work max/mean a layout may reach and still count as balanced.
 BALANCED = 1.01
@@ -41,16 +41,20 @@ def batch_for(q: "Question") -> dict[str, Any]:
 
 @dataclass
 class Planned:
-    """One backend's answer: its probe line, its counts (None: no plan to count), or why not."""
+    """One backend's answer: its probe line, its balance and busiest received rows (None: no
+    plan to count), its transport options once sized, or why not."""
 
     name: str
     probe: str
-    counts: "LayoutCounts | None" = None
+    balance: float | None = None
+    busiest_recv: int | None = None
+    options: "list[Option] | None" = None
     error: str | None = None
     seconds: float = 0.0
 
 
-def _plan_one(q: "Question", name: str, batch: dict[str, Any]) -> Planned:
+def _plan_one(q: "Question", name: str, batch: dict[str, Any]
+              ) -> tuple[Planned, "LayoutCounts | None"]:
     from cp_core.cli.explain import describe_shard
     from cp_core.sizing import counts_from_plan, plan_of
 
@@ -60,9 +64,18 @@ def _plan_one(q: "Question", name: str, batch: dict[str, Any]) -> Planned:
         sharder, local, plan = plan_of(cfg, batch)
     except CPError as exc:
         return Planned(name, "refuses: " + " ".join(str(exc).split()),
-                       error=type(exc).__name__)
+                       error=type(exc).__name__), None
     counts = counts_from_plan(name, plan, local, q.topo.gpus_per_node)
-    return Planned(name, describe_shard(sharder, local), counts)
+    got = Planned(name, describe_shard(sharder, local))
+    if counts is not None:
+        got.balance, got.busiest_recv = counts.work_balance, int(counts.traffic.recv.max())
+    return got, counts
+
+
+def _options(q: "Question", counts: "LayoutCounts | None") -> "list[Option] | None":
+    from cp_core.sizing import transport_options
+
+    return None if counts is None else transport_options(counts, q.model, q.topo)
 
 
 def _child(conn: Any, q: "Question", name: str, batch: dict[str, Any], cpu_s: float) -> None:
@@ -70,7 +83,11 @@ def _child(conn: Any, q: "Question", name: str, batch: dict[str, Any], cpu_s: fl
         lim = max(1, int(cpu_s + 0.999))
         resource.setrlimit(resource.RLIMIT_CPU, (lim, lim + 1))
     try:
-        conn.send(_plan_one(q, name, batch))
+        # The layout's counts first, then its transport options: a limit reached while
+        # sizing the options still leaves the layout's line.
+        got, counts = _plan_one(q, name, batch)
+        conn.send(got)
+        conn.send(_options(q, counts))
     except Exception as exc:  # reported by name in the parent's table
         conn.send(Planned(name, f"fails: {type(exc).__name__}: {exc}", error="error"))
     conn.close()
@@ -88,19 +105,25 @@ def plan_all(q: "Question", names: list[str]) -> list[Planned]:
               f"({q.rows} x {q.seq_len:,} tokens)...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         if not fork:
-            got = _plan_one(q, name, batch)
+            got, counts = _plan_one(q, name, batch)
+            got.options = _options(q, counts)
         else:
             ctx = mp.get_context("fork")
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, args=(send, q, name, batch, q.layout_cpu_s))
             proc.start()
             send.close()
+            limit = (f"over explain.layout_cpu_s={q.layout_cpu_s:g} s of host time at this "
+                     "size (raise it to wait)")
             try:
                 got = recv.recv()
             except EOFError:
-                got = Planned(name, f"not planned: over explain.layout_cpu_s={q.layout_cpu_s:g}"
-                              " s of host time at this size (raise it to wait)",
-                              error="limit")
+                got = Planned(name, f"not planned: {limit}", error="limit")
+            if got.error is None:
+                try:
+                    got.options = recv.recv()
+                except EOFError:
+                    got.probe += f"; transports not sized: {limit}"
             proc.join()
         got.seconds = time.perf_counter() - start
         out.append(got)
@@ -113,8 +136,8 @@ def recommend_from(q: "Question", planned: list[Planned]) -> tuple[list[str], st
     rows: list[tuple[str, float, int]] = []
     refused = [f"{p.name} ({p.error})" for p in planned if p.error]
     for p in planned:
-        if p.counts is not None:
-            rows.append((p.name, p.counts.work_balance, int(p.counts.traffic.recv.max())))
+        if p.balance is not None and p.busiest_recv is not None:
+            rows.append((p.name, p.balance, p.busiest_recv))
     lines = [f"which layout for {q.rows} histogram row(s) of {q.seq_len} tokens at "
              f"cp.size={q.size} ({q.attention}):"]
     lines += [f"  {n:<14} work max/mean {b:.4f}   busiest rank receives {r:,} key rows"

@@ -43,7 +43,7 @@ from cp_core.placement.runs import RankRuns
 from cp_core.plan.crop import crop, merged_arrays
 from cp_core.plan.rects import INF, BandRects
 from cp_core.plan.run_table import RunTable
-from cp_core.plan.traffic import traffic
+from cp_core.plan.traffic import Traffic, traffic
 
 #: Transports the model counts.
 TRANSPORTS: tuple[str, ...] = ("p2p", "ulysses", "usp", "allgather")
@@ -176,8 +176,8 @@ class TransportParts:
                           int(self.a2a_qo_inter[r])) for r in range(kv_in.size)]
 
 
-def _ring_rows(rects: BandRects, runs: RankRuns, u: int, per_node: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+def _ring_rows(rects: BandRects, runs: RankRuns, u: int, per_node: int,
+               known: Traffic | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``[cp]`` key rows each rank sends in the ring across the groups of ``u``, split
     ``(same node, other node)``: rank ``i`` of a group sends its group's rows (its heads)."""
     grouped = group_runs(runs, u)
@@ -190,7 +190,7 @@ def _ring_rows(rects: BandRects, runs: RankRuns, u: int, per_node: int
         # Every slot of a group sits on the group's first node (u divides the node) or every
         # cross-group peer is on another node (the node divides u).
         near = g * u // per_node if per_node % u == 0 else None
-        t = traffic(rects, grouped, near)
+        t = known if u == 1 and known is not None else traffic(rects, grouped, near)
         slots = [(np.arange(u), t)]
     else:
         slots = [(np.array([i]), traffic(rects, grouped, (g * u + i) // per_node))
@@ -206,8 +206,10 @@ def _ring_rows(rects: BandRects, runs: RankRuns, u: int, per_node: int
 
 def transport_parts(transport: str, rects: BandRects, runs: RankRuns, shape: AttentionShape,
                     *, batch_rows: int = 1, ulysses_size: int | None = None,
-                    gpus_per_node: int = 8) -> TransportParts | None:
-    """:func:`transport_bytes` by phase (ring, all-to-all), or None when refused."""
+                    gpus_per_node: int = 8, p2p_traffic: Traffic | None = None
+                    ) -> TransportParts | None:
+    """:func:`transport_bytes` by phase (ring, all-to-all), or None when refused.
+    ``p2p_traffic``: ``traffic(rects, runs, rank // gpus_per_node)`` when already counted."""
     size = runs.size
     n = runs.num_local(0)
     if transport not in TRANSPORTS:
@@ -231,7 +233,7 @@ def transport_parts(transport: str, rects: BandRects, runs: RankRuns, shape: Att
     kv_row = batch_rows * (hk // u) * (shape.head_dim + shape.dv) * shape.itemsize
     ring_intra, ring_inter = zero, zero
     if u < size:  # the needed-only ring across the groups
-        rows_in, rows_out = _ring_rows(rects, runs, u, per_node)
+        rows_in, rows_out = _ring_rows(rects, runs, u, per_node, p2p_traffic)
         ring_intra, ring_inter = rows_in * kv_row, rows_out * kv_row
     a2a = [zero] * 4
     if u > 1:  # the all-to-alls inside the groups: (u - 1) / u of every input leaves
