@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 EXPLAIN_DEFAULTS: dict[str, Any] = {"cp.size": 2, "plan.seq_len": 8192, "plan.rows": 1,
                                     "heads": None, "kv_heads": None, "cp.attention": "causal",
                                     "cp.window": None, "cp.chunk": None, "model": "llama3_8b",
-                                    "topo": "h100_nvlink_ib400", "explain.layout_cpu_s": 2.0}
+                                    "topo": "h100_nvlink_ib400", "explain.layout_cpu_s": 1.5}
 _TEXT_KEYS = ("cp.attention", "model", "topo")
 
 
@@ -52,7 +52,7 @@ class Question:
     rows: int = 1
     model: ModelShape = MODEL_PRESETS["llama3_8b"]
     topo: Topology = PRESETS[DEFAULT_TOPOLOGY]
-    layout_cpu_s: float = 2.0
+    layout_cpu_s: float = 1.5
 
 
 def _model(values: dict[str, Any], fields: dict[str, str]) -> ModelShape:

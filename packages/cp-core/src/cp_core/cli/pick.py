@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -79,8 +80,12 @@ def _options(q: "Question", counts: "LayoutCounts | None") -> "list[Option] | No
 
 
 def _child(conn: Any, q: "Question", name: str, batch: dict[str, Any], cpu_s: float) -> None:
-    if cpu_s > 0:  # SIGXCPU ends the child once it has used this much CPU time
-        lim = max(1, int(cpu_s + 0.999))
+    if cpu_s > 0:
+        # SIGPROF (default action: end the process) once the child has used cpu_s seconds of
+        # CPU time, whatever the machine's load; RLIMIT_CPU stays as a whole-second backstop.
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_PROF, cpu_s)
+        lim = int(cpu_s) + 2
         resource.setrlimit(resource.RLIMIT_CPU, (lim, lim + 1))
     try:
         # The layout's counts first, then its transport options: a limit reached while
