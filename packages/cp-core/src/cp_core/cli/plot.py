@@ -121,18 +121,32 @@ def draw_layout(plan: LayoutPlan, path: str | Path, *, title: str | None = None,
     columns = int(0.8 * width_in * dpi)  # about the pixels the strip gets
     top.imshow(ownership_image(plan, colours, columns), aspect="auto", interpolation="nearest",
                extent=(0, seq, rows, 0))
+    # Marks denser than a few pixels apart would paint the strip black: past that many they
+    # are summarised in the axis label instead of drawn.
+    most_marks = max(1, columns // 6)
+    hidden: list[str] = []
     for r in range(rows):
         starts = document_starts(ids[r])
-        if starts.size:
+        if starts.size > most_marks:
+            hidden.append(f"row {r}: {starts.size} document starts")
+        elif starts.size:
             top.vlines(starts, r, r + 1, colors="black", linewidth=0.8)
-        for a, b in pad_runs(ids[r]):  # a dark band under each pad run, visible however short
+        pads = pad_runs(ids[r])
+        if len(pads) > most_marks:
+            hidden.append(f"row {r}: {len(pads)} pad runs ({sum(b - a for a, b in pads):,} "
+                          "slots)")
+            continue
+        for a, b in pads:  # a dark band under each pad run, visible however short
             top.add_patch(Rectangle((a, r + 0.82), max(b - a, MIN_PAD_MARK * seq), 0.18,
                                     color="0.25", linewidth=0))
     top.set_xlim(0, seq)
     top.set_yticks(np.arange(rows) + 0.5, [f"row {r}" for r in range(rows)])
     mixed = " (a column mixes several slots: colours in proportion)" if seq > columns else ""
     top.set_xlabel("global stream position: colour = owning rank, pale with a dark band = pad, "
-                   f"| = document start{mixed}")
+                   f"| = document start{mixed}" + (
+                       "\nnot marked (too dense to draw): " + "; ".join(hidden[:3])
+                       + (f"; {len(hidden) - 3} more rows" if len(hidden) > 3 else "")
+                       if hidden else ""))
     left_out = 0 if plan.doc_ids is None else plan.doc_ids.shape[0] - rows
     if left_out > 0:
         top.set_title(f"token ownership ({left_out} more rows not drawn)", fontsize=10)
