@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "bench" / "run.py"
-BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality")
+BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality", "comm")
 COMMON_KEYS = {"benchmark", "command", "machine", "settings", "columns", "rows", "notes"}
 
 
@@ -141,3 +141,18 @@ def test_locality_fields(results: dict[str, dict]) -> None:
         if r["backend"] == "round_robin":  # every ratio is over round_robin's busiest rank
             assert r["busiest_vs_rr_mean"] == pytest.approx(1.0)
     assert results["locality"]["timed"], "no measured attention call"
+
+
+def test_comm_fields(results: dict[str, dict]) -> None:
+    rows = _ok_rows(results["comm"])
+    assert {r["cp"] for r in rows} == {8, 16}
+    for r in rows:
+        # Bytes add up: K/V is part of the total, the total is intra plus inter.
+        assert 0 <= r["kv_MiB"] <= r["total_MiB"] + 1e-9
+        assert abs(r["intra_MiB"] + r["inter_MiB"] - r["total_MiB"]) <= 0.02
+        assert r["overlap_ms"] <= r["step_ms"] + 1e-9
+    # At cp 16 (> 8 K/V heads) every layout lists p2p, ulysses and a 2-D split.
+    for layout in {r["layout"] for r in rows}:
+        got = {r["transport"].split()[0] for r in rows if r["cp"] == 16 and r["layout"] == layout}
+        assert got == {"p2p", "ulysses", "usp"}, (layout, got)
+

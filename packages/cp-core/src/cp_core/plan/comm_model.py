@@ -41,7 +41,7 @@ import numpy as np
 from cp_core.errors import CPConfigError
 from cp_core.placement.runs import RankRuns
 from cp_core.plan.crop import crop, merged_arrays
-from cp_core.plan.rects import INF, BandRects
+from cp_core.plan.rects import BandRects
 from cp_core.plan.run_table import RunTable
 from cp_core.plan.traffic import Traffic, traffic
 
