@@ -26,7 +26,8 @@ from cp_core.loader import CPCollator, HostShard, WorkerMesh, adopt_shard
 from cp_core.registry import build_sharder
 from cp_core.runtime.intercept import active_plan
 
-BACKENDS = ("round_robin", "contiguous", "identity", "te_thd", "magi", "blockdiag", "locality")
+BACKENDS = ("round_robin", "contiguous", "identity", "aux_only", "te_thd", "magi", "blockdiag",
+            "locality")
 #: Two batches: packed documents with trailing pad, and pad holes inside the rows.
 ROWS = ([[30, 50, 20], [64, 36]], 112)
 
