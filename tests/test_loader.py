@@ -21,10 +21,12 @@ from torch.utils.data import DataLoader
 
 from cp_core.comm.mesh import SimulatedCPMesh
 from cp_core.datasets import make_packed_batch
-from cp_core.errors import CPBackendNotFoundError, CPBatchError, CPConfigError, CPLayoutError
-from cp_core.loader import CPCollator, HostShard, WorkerMesh, adopt_shard
+from cp_core.errors import (CPBackendNotFoundError, CPBatchError, CPConfigError, CPError,
+                            CPLayoutError)
+from cp_core.loader import CPCollator, HostShard, WorkerMesh, adopt_shard, check_picklable
 from cp_core.registry import build_sharder
 from cp_core.runtime.intercept import active_plan
+from cp_core.testing.forms import FORMS, packed_form
 
 BACKENDS = ("round_robin", "contiguous", "identity", "aux_only", "te_thd", "magi", "blockdiag",
             "locality")
@@ -130,12 +132,44 @@ def test_worker_shard_is_the_step_shard(name: str, workers: int) -> None:
              adopted[0].shard_token_tensor(labels, fill=-100), "shard_token_tensor")
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_every_batch_form_pickles_and_matches(form: str) -> None:
+    """Every form a collator hands over (cp_core.testing.forms), every backend: the shard
+    pickles (what a worker does to it) and, unpickled and adopted, equals the step's shard;
+    a batch a backend refuses is refused the same way in the worker."""
+    batch = packed_form(form)
+    for name in BACKENDS:
+        size = 1 if name == "identity" else 2
+        config = {"backend": name}
+        reference = build_sharder(config, SimulatedCPMesh(size - 1, size))
+        collate = CPCollator(_first, config, size - 1, size)
+        try:
+            step = _in_step(reference, batch)
+        except CPError as exc:
+            with pytest.raises(type(exc)):
+                collate([batch])
+            continue
+        host = collate([batch])
+        check_picklable(host, name)
+        host = pickle.loads(pickle.dumps(host))
+        trainer = build_sharder(config, SimulatedCPMesh(size - 1, size))
+        _compare(step, adopt_shard(trainer, host), host)
+
+
 def test_host_shard_pickles_without_a_group() -> None:
     host = CPCollator(_first, {"backend": "magi"}, 1, 2)([_batches()[0]])
     copy = pickle.loads(pickle.dumps(host))
     assert copy.plan.cp_mesh is copy.mesh  # one mesh object, attached once
     with pytest.raises(CPLayoutError, match="adopt_shard"):
         copy.mesh.get_group()
+
+
+def test_a_shard_that_does_not_pickle_is_refused_by_name() -> None:
+    host = CPCollator(_first, {"backend": "round_robin"}, 1, 2)([_batches()[0]])
+    check_picklable(host)  # the real one pickles
+    host.factory = lambda: None  # what a plugin returning a closure would hand over
+    with pytest.raises(CPConfigError, match="backend 'mine'.*does not pickle.*lambda"):
+        check_picklable(host, "backend 'mine'")
 
 
 def test_adopt_refuses_the_wrong_rank_and_other_values() -> None:

@@ -25,6 +25,8 @@ process group is attached on the training side; a collective on it before that r
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -109,6 +111,27 @@ class HostShard:
         self.local = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v
                       for k, v in self.local.items()}
         return self
+
+
+class _SkipTensors(pickle.Pickler):
+    """Pickles everything but tensors (they travel through shared memory anyway): what is
+    left is what could fail to pickle."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return "tensor" if isinstance(obj, torch.Tensor) else None
+
+
+def check_picklable(host: HostShard, backend: str = "the backend") -> None:
+    """Raise :class:`CPConfigError` when ``host`` would not pickle (a closure or lambda in a
+    backend's result). A data-loader worker pickles its results in a background thread, where
+    a failure is only printed and the training loop would wait for the batch forever."""
+    try:
+        _SkipTensors(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(host)
+    except Exception as exc:
+        raise CPConfigError(
+            f"the shard {backend} made does not pickle ({type(exc).__name__}: {exc}), so it "
+            "cannot leave a data-loader worker: what shard_batch returns must be records, not "
+            "closures (docs/plugins.md); shard in the step (sharder.shard) instead") from exc
 
 
 def shard_on_host(sharder: Any, batch: Mapping[str, Any], *,
@@ -224,7 +247,18 @@ class CPCollator:
         if self.loss_mask_key is not None:
             batch = dict(batch)
             loss_mask = batch.pop(self.loss_mask_key)
-        return shard_on_host(self.sharder(), batch, loss_mask=loss_mask)
+        host = shard_on_host(self.sharder(), batch, loss_mask=loss_mask)
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:  # it is about to be pickled: fail here, loudly
+            check_picklable(host, f"backend {self._backend_name()!r}")
+        return host
+
+    def _backend_name(self) -> str:
+        config = self.config
+        name = config.get("backend") if isinstance(config, Mapping) else getattr(
+            config, "backend", None)
+        return str(name)
 
     def __getstate__(self) -> dict[str, Any]:
         # Each worker builds its own sharder (and its caches) from the config.
@@ -233,4 +267,5 @@ class CPCollator:
         return state
 
 
-__all__ = ["CPCollator", "HostShard", "WorkerMesh", "adopt_shard", "shard_on_host"]
+__all__ = ["CPCollator", "HostShard", "WorkerMesh", "adopt_shard", "check_picklable",
+           "shard_on_host"]
