@@ -12,7 +12,8 @@ per step, for every backend, beside two floors on the same batch:
   worker (what a Megatron-style loop pays per step on its training thread).
 
 Columns: ``ms`` = receive + adopt + enter/leave the context; ``adopt_ms`` = adopt + enter/
-leave alone; ``x_floor`` = ms / floor; ``x_floor_loader`` = ms / floor_loader. Every case has
+leave alone; ``x_floor`` = ms / floor; ``x_floor_loader`` = ms / floor_loader;
+``adopt_x_floor`` = adopt_ms / floor (the library's own part). Every case has
 its own loader (one worker, rank 0 of cp=8, the shard's verify vector off as in the host
 table) and the cases are timed interleaved, one step of each in turn. Timing: process CPU time
 of this process (the workers' time is not the training thread's), one thread, median.
@@ -29,10 +30,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from backends import benchmark_backends
 from bench_host import CP, host_specs, megatron_floor
-from host_batch import FORMS, batch_forms, build_from_spec
+from host_batch import FORMS, batch_forms, build_from_spec, clone_batch
 from report import make_result
 
-COLUMNS = ["form", "backend", "shape", "ms", "adopt_ms", "x_floor", "x_floor_loader"]
+COLUMNS = ["form", "backend", "shape", "ms", "adopt_ms", "x_floor", "x_floor_loader",
+           "adopt_x_floor"]
 
 
 class _Repeat(Dataset):
@@ -45,7 +47,7 @@ class _Repeat(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.batch.items()}
+        return clone_batch(self.batch)
 
 
 def _first(samples: list[Any]) -> Any:
@@ -78,7 +80,7 @@ def time_offthread(names: list[str], batch: dict[str, Any], repeats: int, warmup
     for i in range(n):
         for c in cases:
             if c == "floor":
-                b = {k: v.clone() for k, v in batch.items()}  # untimed, as in the host table
+                b = clone_batch(batch)  # untimed, as in the host table
                 t0 = time.process_time()
                 megatron_floor(b)
                 dt, da = time.process_time() - t0, None
@@ -132,7 +134,8 @@ def run_offthread(*, quick: bool = False, seed: int = 4321, forms: str = "all"
                 rows.append({"form": form, "backend": name, "shape": shape,
                              "ms": 1e3 * s["median_s"], "adopt_ms": 1e3 * s["adopt_median_s"],
                              "x_floor": s["median_s"] / floor,
-                             "x_floor_loader": s["median_s"] / floor_loader, "timing": s})
+                             "x_floor_loader": s["median_s"] / floor_loader,
+                             "adopt_x_floor": s["adopt_median_s"] / floor, "timing": s})
             for name, label in (("floor", "[floor] megatron-style, in process"),
                                 ("floor_loader", "[floor] full batch from a loader + slicing")):
                 rows.append({"form": form, "backend": label, "shape": shape,
@@ -147,7 +150,7 @@ def run_offthread(*, quick: bool = False, seed: int = 4321, forms: str = "all"
         "adopt_ms = adopt_shard + enter/leave alone; the shard itself ran in the worker. "
         f"x_floor = ms / the in-process Megatron-style slicing of the same batch; "
         f"x_floor_loader = ms / (receiving the full batch from a plain loader worker + that "
-        f"slicing). Rank 0 of cp={CP}, one thread, cases interleaved, median of {repeats} "
+        f"slicing); adopt_x_floor = adopt_ms / the in-process floor. Rank 0 of cp={CP}, one thread, cases interleaved, median of {repeats} "
         f"after {warmup} warm-up steps. The CPU kernels' tiling at the first attention call "
         "(host table's tiles_ms) is not included, as in the host table's ms.")
     settings = {"cp": CP, "rank": 0, "shape": shape, "repeats": repeats, "warmup": warmup,

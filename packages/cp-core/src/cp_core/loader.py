@@ -36,6 +36,7 @@ from cp_core.comm.mesh import SimulatedCPMesh, cp_group, cp_rank, cp_size, can_c
 from cp_core.errors import CPBatchError, CPConfigError, CPLayoutError
 from cp_core.placement.layout import ShardLayout
 from cp_core.placement.positions import flat_batch_as_rows
+from cp_core.placement.runs import forget_lazy
 from cp_core.plan.record import AttentionPlan
 
 
@@ -106,6 +107,17 @@ class HostShard:
     mesh: WorkerMesh
     check: torch.Tensor | None = None
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Leaving a worker, the shard travels as one blob with its tensors inline: one pipe
+        # read on the training thread instead of a shared-memory handle (file descriptor,
+        # mapping, and its release) per tensor, most of which are a few kilobytes.
+        # Every rank's indices, when the runs give them, are expanded again only if read.
+        if self.layout is not None and self.layout.rank_runs is not None:
+            forget_lazy(self.layout, "rank_global_indices")
+        if self.plan is not None and self.plan.rank_runs is not None:
+            forget_lazy(self.plan, "rank_indices")
+        return _unpack, (_pack(self.__dict__),)
+
     def pin_memory(self) -> "HostShard":
         """Pin the local batch's tensors (``DataLoader(pin_memory=True)`` calls this)."""
         self.local = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v
@@ -132,6 +144,55 @@ def check_picklable(host: HostShard, backend: str = "the backend") -> None:
             f"the shard {backend} made does not pickle ({type(exc).__name__}: {exc}), so it "
             "cannot leave a data-loader worker: what shard_batch returns must be records, not "
             "closures (docs/plugins.md); shard in the step (sharder.shard) instead") from exc
+
+
+class _InlineTensors(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays (raw bytes), each once however often it is
+    referenced; a tensor numpy cannot hold (bfloat16, a device tensor, one that requires
+    grad) is pickled as usual."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._seen: dict[int, int] = {}
+        self._keep: list[torch.Tensor] = []  # ids stay unique while the blob is written
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or type(obj) is not torch.Tensor:
+            return None
+        if id(obj) in self._seen:
+            return ("again", self._seen[id(obj)])
+        if obj.device.type != "cpu" or obj.requires_grad or obj.dtype == torch.bfloat16 \
+                or obj.is_sparse:
+            return None
+        self._seen[id(obj)] = len(self._keep)
+        self._keep.append(obj)
+        return ("tensor", obj.numpy())
+
+
+class _Restore(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self._made: list[torch.Tensor] = []
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, value = pid
+        if kind == "again":
+            return self._made[value]
+        tensor = torch.from_numpy(value)
+        self._made.append(tensor)
+        return tensor
+
+
+def _pack(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    _InlineTensors(buf).dump(state)
+    return buf.getvalue()
+
+
+def _unpack(blob: bytes) -> HostShard:
+    host = HostShard.__new__(HostShard)
+    host.__dict__.update(_Restore(io.BytesIO(blob)).load())
+    return host
 
 
 def shard_on_host(sharder: Any, batch: Mapping[str, Any], *,
