@@ -185,3 +185,16 @@ def test_adopt_refuses_the_wrong_rank_and_other_values() -> None:
         CPCollator(_first, {"backend": "round_robn"}, 0, 2)
     with pytest.raises(CPConfigError, match="SimulatedCPMesh.size"):
         WorkerMesh(0, 0)
+
+
+def test_a_batch_the_backend_refuses_is_refused_in_the_training_loop() -> None:
+    batch = _batches()[0]
+    batch["labels"] = batch["labels"][:, :7]  # a token key of the wrong length
+    collate = CPCollator(_first, {"backend": "round_robin"}, 1, 2)
+    host = pickle.loads(pickle.dumps(collate([batch])))
+    assert host.error is not None and host.local == {}
+    sharder = build_sharder({"backend": "round_robin"}, SimulatedCPMesh(1, 2))
+    with pytest.raises(type(host.error), match="labels"):
+        adopt_shard(sharder, host)
+    with pytest.raises(type(host.error), match="labels"):
+        sharder.shard(batch)  # the same refusal as in the step

@@ -77,3 +77,37 @@ def _rank_step(rank: int, world: int, name: str) -> dict[str, Any]:
 def test_worker_made_step_equals_the_truth(pool: RankPool, name: str) -> None:
     results = pool.run(_rank_step, name)
     assert all(r["loss_rel_err"] <= 1e-5 for r in results), results
+
+
+def _rank_refused(rank: int, world: int) -> str:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from cp_core.datasets import make_packed_batch
+    from cp_core.errors import CPError
+    from cp_core.loader import CPCollator, adopt_shard
+    from cp_core.registry import build_sharder
+
+    mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    config = {"backend": "round_robin", "verify_layout": True}
+    batch = make_packed_batch([[30, 50, 20]], vocab=97, seed=3)
+    if rank == 1:
+        batch["labels"] = batch["labels"][:, :7]  # only rank 1's batch is refused
+    loader = DataLoader([batch], batch_size=1, num_workers=1,
+                        collate_fn=CPCollator(_first, config, rank, world))
+    sharder = build_sharder(config, dist.group.WORLD)
+    try:
+        adopt_shard(sharder, next(iter(loader)))
+    except CPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_rank_whose_worker_refused_the_batch_is_named_by_its_peer(pool: RankPool) -> None:
+    """Rank 1's worker refuses its batch: rank 1 raises that error in its training loop and
+    rank 0 learns of it in the verify exchange at once, naming rank 1 (no group timeout)."""
+    got = pool.run(_rank_refused)
+    assert got[1].startswith("CPBatchError") and "labels" in got[1], got
+    assert got[0].startswith("CPLayoutError") and "ranks [1] failed" in got[0], got

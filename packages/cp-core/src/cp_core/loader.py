@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from cp_core.comm.mesh import SimulatedCPMesh, cp_group, cp_rank, cp_size, can_communicate
-from cp_core.errors import CPBatchError, CPConfigError, CPLayoutError
+from cp_core.errors import CPBatchError, CPConfigError, CPError, CPLayoutError
 from cp_core.placement.layout import ShardLayout
 from cp_core.placement.positions import flat_batch_as_rows
 from cp_core.placement.runs import forget_lazy
@@ -98,6 +98,7 @@ class HostShard:
     has no attention work). ``plan``: the attention plan that factory activates, its
     transport schedule built (None without one). ``check``: ``verify_layout``'s local vector
     (None when the check is off). ``mesh``: the :class:`WorkerMesh` the plan refers to.
+    ``error``: set instead of the rest when the shard failed.
     """
 
     local: dict[str, Any]
@@ -106,6 +107,9 @@ class HostShard:
     plan: AttentionPlan | None
     mesh: WorkerMesh
     check: torch.Tensor | None = None
+    error: BaseException | None = None
+    """The error the shard raised in the worker (``adopt_shard`` re-raises it after telling
+    the peers, so they name this rank instead of waiting for the group's timeout)."""
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         # Leaving a worker, the shard travels as one blob with its tensors inline: one pipe
@@ -242,6 +246,10 @@ def adopt_shard(sharder: Any, host: HostShard) -> tuple[Callable[..., Any], dict
             f"adopt_shard takes what a CPCollator-driven DataLoader yields (a HostShard), got "
             f"{type(host).__name__}; is the loader's collate_fn a cp_core.loader.CPCollator?")
     host.mesh.attach(sharder.cp_mesh)
+    if host.error is not None:
+        if sharder.verify_layout and can_communicate(sharder.cp_mesh) and host.check is not None:
+            exchange_vectors(sharder.cp_mesh, host.check, None, failed=True)
+        raise host.error
     if sharder.verify_layout and can_communicate(sharder.cp_mesh):
         if host.check is None:
             raise CPConfigError(
@@ -308,11 +316,32 @@ class CPCollator:
         if self.loss_mask_key is not None:
             batch = dict(batch)
             loss_mask = batch.pop(self.loss_mask_key)
-        host = shard_on_host(self.sharder(), batch, loss_mask=loss_mask)
+        sharder = self.sharder()
+        try:
+            host = shard_on_host(sharder, batch, loss_mask=loss_mask)
+        except CPError as exc:
+            # The training side re-raises it after the verify exchange (the peers then name
+            # this rank at once); any other error is a bug and leaves the worker as it is.
+            return self._failed(sharder, batch, exc)
         from torch.utils.data import get_worker_info
 
         if get_worker_info() is not None:  # it is about to be pickled: fail here, loudly
             check_picklable(host, f"backend {self._backend_name()!r}")
+        return host
+
+    def _failed(self, sharder: Any, batch: Mapping[str, Any], exc: CPError) -> HostShard:
+        from cp_core.placement.verify import local_vector
+
+        check = None
+        if sharder.verify_layout and self.cp_size > 1:
+            check = local_vector(self.rank, batch, ShardLayout(), failed=True)
+        exc.__traceback__ = None  # frames do not pickle; the message names the cause
+        host = HostShard(local={}, layout=None, factory=None, plan=None,
+                         mesh=sharder.cp_mesh, check=check, error=exc)
+        try:
+            check_picklable(host)
+        except CPConfigError:
+            raise exc from None  # the loader re-raises it in the training loop as it is
         return host
 
     def _backend_name(self) -> str:
