@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "bench" / "run.py"
-BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality", "comm")
+BENCHMARKS = ("balance", "host", "offthread", "gather", "transport", "step", "locality",
+              "comm")
 COMMON_KEYS = {"benchmark", "command", "machine", "settings", "columns", "rows", "notes"}
 
 
@@ -61,6 +62,22 @@ def test_balance_fields(results: dict[str, dict]) -> None:
     for r in rows:
         if r["backend"] in ("contiguous", "round_robin"):
             assert r["pad_pct"] == 0 and r["tokens_worst"] == 1.0
+
+
+def test_offthread_fields(results: dict[str, dict]) -> None:
+    res = results["offthread"]
+    rows = _ok_rows(res)
+    assert res["settings"]["cp"] == 8 and res["settings"]["num_workers"] == 1
+    forms = {r["form"] for r in rows}
+    assert forms == set(res["settings"]["forms"])
+    for form in forms:  # both floors beside the backends, for every form
+        labels = {r["backend"] for r in rows if r["form"] == form}
+        assert sum(label.startswith("[floor]") for label in labels) == 2
+        assert "round_robin" in labels
+    for r in rows:
+        assert r["ms"] > 0 and r["timing"]["repeats"] >= 1
+        if not r["backend"].startswith("["):
+            assert 0 < r["adopt_ms"] <= r["ms"] and r["x_floor"] > 0 and r["x_floor_loader"] > 0
 
 
 def test_host_fields(results: dict[str, dict]) -> None:

@@ -1,7 +1,7 @@
 """One entry point for the benchmarks: prints a table and writes JSON per benchmark.
 
-    python tools/bench/run.py {balance,host,gather,transport,step,locality,comm,all} [--quick] [--out DIR] [--peers]
-        [--forms all|position_ids]
+    python tools/bench/run.py {balance,host,offthread,gather,transport,step,locality,comm,all}
+        [--quick] [--out DIR] [--peers] [--forms all|position_ids]
 
 ``--quick`` runs tiny sizes in seconds (what the smoke test uses); ``--peers`` creates the
 peers' virtual environments under ``DIR/peer_venvs/`` (Megatron-Core, NeMo AutoModel; never in
@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import DEFAULT_OUT, print_result, write_result  # noqa: E402
 
-BENCHMARKS = ("balance", "host", "gather", "transport", "step", "locality", "comm")
+BENCHMARKS = ("balance", "host", "offthread", "gather", "transport", "step", "locality",
+              "comm")
 
 
 def _runner(name: str) -> Callable[..., dict[str, Any]]:
@@ -33,6 +34,10 @@ def _runner(name: str) -> Callable[..., dict[str, Any]]:
         from bench_host import run_host
 
         return run_host
+    if name == "offthread":
+        from bench_offthread import run_offthread
+
+        return run_offthread
     if name == "gather":
         from bench_gather import run_gather
 
@@ -64,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="host: create the peers' venvs (under OUT/peer_venvs) and time them")
     parser.add_argument("--forms", choices=["all", "position_ids"], default="all",
-                        help="host: every batch form on the one-row shapes, or restarting "
-                             "position_ids alone")
+                        help="host, offthread: every batch form on the one-row shapes, or "
+                             "restarting position_ids alone")
     parser.add_argument("--transport-budget-mb", type=float, default=8.0,
                         help="step: attention score-block budget (cp.attn_block_budget_mb)")
     parser.add_argument("--transport-regather-kv", action="store_true",
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs: dict[str, Any] = {"quick": args.quick}
         if name == "host":
             kwargs.update(peers=args.peers, out_dir=args.out, forms=args.forms)
+        if name == "offthread":
+            kwargs.update(forms=args.forms)
         if name == "step":
             kwargs.update(budget_mb=args.transport_budget_mb,
                           regather_kv=args.transport_regather_kv)

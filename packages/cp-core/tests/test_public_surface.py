@@ -27,7 +27,8 @@ EXPECTED_CONFIG_KEYS = {
 #: Recorded decisions: the shard pipeline (ShardOptions, StaticLayout, static_backend,
 #: static_sharder, shard_static, finish_shard) was added when static layouts became data; the
 #: index maps identity/round_robin and CPMeshLike (public in cp_core.__all__) and active_plan
-#: (the runtime's own lookup) left it, as no plugin imported them.
+#: (the runtime's own lookup) left it, as no plugin imported them; PaddedDocumentIds (a
+#: deferred mask's picklable builder) joined when shards began to run in data-loader workers.
 EXPECTED_BACKEND_API = {
     "ATTENTION_KINDS", "AttentionKind", "AttentionPlan", "BOUNDARY_KEYS", "Backend", "BandRects",
     "CPAttentionError", "CPBackendConfig", "CPBatchError", "CPConfigError", "CPError",
@@ -50,6 +51,8 @@ EXPECTED_BACKEND_API = {
     # the one shard pipeline
     "ShardOptions", "StaticLayout", "static_backend", "static_sharder", "shard_static",
     "finish_shard", "shard_plan",
+    # picklable shards (cp_core.loader)
+    "PaddedDocumentIds",
 }
 
 

@@ -35,6 +35,7 @@ from cp_core.backend_api import (
     CPConfigError,
     DocumentMask,
     Documents,
+    PaddedDocumentIds,
     ShardLayout,
     contiguous_divisor,
     contiguous_local_indices,
@@ -84,11 +85,9 @@ def _documents_mask_and_need(docs: Documents, length: int, cp: int, *,
     """
     segments = docs.segments()
     if segments is not None:
-        def build() -> tuple[torch.Tensor, None]:
-            # Positions within documents only when a pair-by-pair path reads them.
-            return docs.padded(length), None
-
-        mask = DocumentMask.deferred(build, attention, window, chunk, segments=docs.segments)
+        # Positions within documents only when a pair-by-pair path reads them.
+        mask = DocumentMask.deferred(PaddedDocumentIds(docs, length), attention, window, chunk,
+                                     segments=docs.segments)
         return mask, NeedRuns.from_segments(segments, cp, length)
     ids = docs.padded(length)
     return DocumentMask(ids, None, attention, window, chunk), NeedRuns.from_ids(ids, cp)

@@ -76,6 +76,7 @@ from cp_core.errors import (
 )
 from cp_core.pipeline import (
     CtxFactory,
+    PaddedDocumentIds,
     ShardOptions,
     ShardResult,
     StaticLayout,
@@ -141,7 +142,7 @@ __all__ = [
     # attention plan and context factory
     "AttentionKind", "ATTENTION_KINDS", "AttentionPlan", "DocumentMask", "TransportOptions",
     "build_document_mask",
-    "make_plan", "make_transport_ctx", "activate_plan",
+    "make_plan", "make_transport_ctx", "activate_plan", "PaddedDocumentIds",
     # transport building blocks
     "allgather_sdpa", "call_transport", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",

@@ -143,10 +143,20 @@ def build_document_mask(docs: Documents, padded_len: int, *, attention: Attentio
     (pad slots are document 0); the ids are built when the mask is first read, the positions
     only when a transport reads them (the rectangles need the ids alone)."""
 
-    def build() -> tuple[torch.Tensor, None]:
-        return docs.padded(padded_len), None  # positions when a pair-by-pair path reads them
+    return DocumentMask.deferred(PaddedDocumentIds(docs, padded_len), attention, window, chunk,
+                                 segments=docs.segments)
 
-    return DocumentMask.deferred(build, attention, window, chunk, segments=docs.segments)
+
+@dataclass(frozen=True)
+class PaddedDocumentIds:
+    """``build()`` of a deferred :class:`DocumentMask`: the documents' ids over rows padded to
+    ``length`` (positions left for a pair-by-pair path to derive). A record, so it pickles."""
+
+    docs: Documents
+    length: int
+
+    def __call__(self) -> tuple[torch.Tensor, None]:
+        return self.docs.padded(self.length), None
 
 
 def make_plan(cp_mesh: Any, layout: ShardLayout, mask: Any, *,
@@ -167,17 +177,24 @@ def make_plan(cp_mesh: Any, layout: ShardLayout, mask: Any, *,
     )
 
 
+@dataclass(frozen=True)
+class PlanContext:
+    """The context factory of a plan: ``factory()`` routes SDPA calls through ``plan``
+    (a record, not a closure, so a shard made in a data-loader worker pickles)."""
+
+    plan: AttentionPlan
+
+    def __call__(self) -> ContextManager[Any]:
+        from cp_core.runtime.intercept import activate_plan
+
+        return activate_plan(self.plan)
+
+
 def make_transport_ctx(plan: AttentionPlan | None) -> CtxFactory:
     """A zero-arg factory whose context routes SDPA calls through ``plan`` (null without one)."""
     if plan is None:
         return contextlib.nullcontext
-
-    def factory() -> ContextManager[Any]:
-        from cp_core.runtime.intercept import activate_plan
-
-        return activate_plan(plan)
-
-    return factory
+    return PlanContext(plan)
 
 
 def finish_shard(cp_mesh: Any, docs: Documents, out: dict[str, Any], layout: ShardLayout,
@@ -275,4 +292,4 @@ __all__ = ["ShardOptions", "StaticLayout", "StaticShard", "shard_static", "finis
            "shard_plan",
            "static_sharder", "static_backend",
            "normalize_with_documents", "build_document_mask", "make_plan", "make_transport_ctx",
-           "CtxFactory", "ShardResult"]
+           "PlanContext", "PaddedDocumentIds", "CtxFactory", "ShardResult"]

@@ -9,6 +9,7 @@ as the mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -75,27 +76,49 @@ def flat_layout(nb: NormalizedBatch, local: torch.Tensor, padded: int, rank_runs
     return ShardLayout(
         local_token_global_indices=local, original_seq_len=bsz * seq, padded_seq_len=padded,
         input_row_shape=(bsz, seq),
-        input_token_stream_positions=lambda: torch.arange(bsz * seq, device=device).view(
-            bsz, seq),
+        input_token_stream_positions=_StreamArange(bsz, seq, torch.device(device)),
         rank_runs=rank_runs, pad_multiple=pad_multiple, cp_rank=rank, cp_size=size,
         extras=extras, **fields)
 
 
-def kind_builder(docs: Documents, padded: int, device: torch.device
-                 ) -> Callable[[str, int | None, int | None], RectangleTokenMask]:
+@dataclass(frozen=True)
+class _StreamArange:
+    """``input_token_stream_positions`` of a layout that keeps every caller token in order:
+    ``arange(B*S).view(B, S)``, built when a token verb first reads it (a record, not a
+    closure, so a shard made in a data-loader worker pickles)."""
+
+    bsz: int
+    seq: int
+    device: torch.device
+
+    def __call__(self) -> torch.Tensor:
+        return torch.arange(self.bsz * self.seq, device=self.device).view(self.bsz, self.seq)
+
+
+@dataclass(frozen=True)
+class KindBuilder:
     """``(kind, window, chunk) -> mask`` of the step's documents with another attention kind:
     a model layer whose kind differs from ``cp.attention`` (Gemma 3's full layers under a
     sliding window) is served on the same dispatch, built when a layer first asks for it
-    (nothing is computed for a step whose layers all have the configured kind)."""
+    (nothing is computed for a step whose layers all have the configured kind). A record,
+    not a closure, so a shard made in a data-loader worker pickles."""
 
-    def build(kind: str, window: int | None, chunk: int | None) -> RectangleTokenMask:
-        rects = document_mask(stream_spans(docs.ids), padded, attention=kind, window=window,
-                              chunk=chunk)
+    docs: Documents
+    padded: int
+    device: torch.device
+
+    def __call__(self, kind: str, window: int | None, chunk: int | None) -> RectangleTokenMask:
+        rects = document_mask(stream_spans(self.docs.ids), self.padded, attention=kind,
+                              window=window, chunk=chunk)
         return RectangleTokenMask.from_rectangles(
-            rects, device, window=window if kind == "sliding_window" else None,
-            chunk=chunk if kind == "chunked" else None, derive=build)
+            rects, self.device, window=window if kind == "sliding_window" else None,
+            chunk=chunk if kind == "chunked" else None, derive=self)
 
-    return build
+
+def kind_builder(docs: Documents, padded: int, device: torch.device
+                 ) -> Callable[[str, int | None, int | None], RectangleTokenMask]:
+    """The step's :class:`KindBuilder`."""
+    return KindBuilder(docs, padded, torch.device(device))
 
 
 def has_holes(docs: Documents) -> bool:

@@ -16,6 +16,7 @@ document's last token. ``position_ids`` are the caller's when given, else each r
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
@@ -94,52 +95,79 @@ def _local_positions(nb_pos: torch.Tensor, seq_dim: int, slots: LocalSlots) -> t
     return local
 
 
+@dataclass(frozen=True)
+class _StreamDocuments:
+    """The documents of a THD stream, read by a deferred :class:`DocumentMask` (a record,
+    not closures, so a shard made in a data-loader worker pickles)."""
+
+    stream: ThdStream
+    positions: Callable[[], torch.Tensor]
+    caller_pad: torch.Tensor | None
+
+    def _has_pad(self) -> bool:
+        return self.caller_pad is not None and bool(self.caller_pad.any())
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Document ids ``[1, T]`` (0 on every pad slot) and positions within each document."""
+        ids, pos = self.stream.document_tensors()
+        if self._has_pad():
+            assert self.caller_pad is not None
+            where = self.positions()
+            pad_slots = where.reshape(-1)[self.caller_pad.reshape(-1).to(where.device)]
+            ids = ids.clone()
+            ids[0, pad_slots] = 0
+        return ids, pos
+
+    def segments(self) -> tuple[Any, Any] | None:
+        """The documents as the stream's segments, or None with caller pad inside them."""
+        # Without caller pad inside them, the documents are the stream's segments: their
+        # rectangles follow from the segment table, no [T] id tensor is built.
+        if self._has_pad():
+            return None
+        start = self.stream.stream_start.detach().cpu().numpy()
+        return start, start + self.stream.segments.length.detach().cpu().numpy()
+
+
 def _stream_document_mask(stream: ThdStream, positions: Callable[[], torch.Tensor],
                           caller_pad: torch.Tensor | None, *, attention: AttentionKind,
                           window: int | None, chunk: int | None) -> DocumentMask:
     """Document ids ``[1, T]`` (0 on every pad slot) and positions within each document,
     built when attention first reads them."""
-
-    def build() -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos = stream.document_tensors()
-        if caller_pad is not None and bool(caller_pad.any()):
-            where = positions()
-            pad_slots = where.reshape(-1)[caller_pad.reshape(-1).to(where.device)]
-            ids = ids.clone()
-            ids[0, pad_slots] = 0
-        return ids, pos
-
-    def segments() -> tuple[Any, Any] | None:
-        # Without caller pad inside them, the documents are the stream's segments: their
-        # rectangles follow from the segment table, no [T] id tensor is built.
-        if caller_pad is not None and bool(caller_pad.any()):
-            return None
-        start = stream.stream_start.detach().cpu().numpy()
-        return start, start + stream.segments.length.detach().cpu().numpy()
-
-    return DocumentMask.deferred(build, attention, window, chunk, segments=segments)
+    docs = _StreamDocuments(stream, positions, caller_pad)
+    return DocumentMask.deferred(docs.build, attention, window, chunk, segments=docs.segments)
 
 
-def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: Any,
-                 cp_comm_type: str) -> CtxFactory:
+@dataclass(frozen=True)
+class TEStepContext:
     """``factory()``, as on every backend: the cp-core transport, plus, when the TE path is
     active, TE's CP group on every TE attention module that runs inside the context (found
     at its call). ``factory(*modules)`` also configures the TE modules inside ``modules`` on
-    entry (the older spelling, kept working)."""
+    entry (the older spelling, kept working). A record, so a shard made in a data-loader
+    worker pickles."""
 
-    def factory(*modules: torch.nn.Module) -> ContextManager[Any]:
+    base: Callable[[], ContextManager[Any]]
+    te_on: bool
+    cp_mesh: Any
+    cp_comm_type: str
+
+    def __call__(self, *modules: torch.nn.Module) -> ContextManager[Any]:
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(base())
-            if te_on:
+            stack.enter_context(self.base())
+            if self.te_on:
                 stack.enter_context(te_context_parallel(find_te_attention_modules(modules),
-                                                        cp_mesh, cp_comm_type, at_call=True))
+                                                        self.cp_mesh, self.cp_comm_type,
+                                                        at_call=True))
         except BaseException:
             stack.close()
             raise
         return stack
 
-    return factory
+
+def _ctx_factory(base: Callable[[], ContextManager[Any]], te_on: bool, cp_mesh: Any,
+                 cp_comm_type: str) -> CtxFactory:
+    """The step's :class:`TEStepContext`."""
+    return TEStepContext(base, te_on, cp_mesh, cp_comm_type)
 
 
 def plan_stream(segments: Segments, cp: int, chunk_multiple: int = 1

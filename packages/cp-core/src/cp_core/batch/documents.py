@@ -86,6 +86,13 @@ class Documents:
         self._device = device
         self._ids: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A lazy reader holds the caller's whole batch: a copy that leaves this process (a
+        # shard made in a data-loader worker) carries the runs it reads instead.
+        self.runs()
+        _ = self.sources
+        return dict(self.__dict__)
+
     def runs(self) -> DocRuns:
         """The documents' first tokens and the pad intervals (flat stream positions)."""
         if callable(self._runs):

@@ -225,4 +225,13 @@ def peek_lazy(obj: Any, name: str) -> Any:
     return obj.__dict__.get(f"_lazy_{name}")
 
 
-__all__ = ["Run", "index_runs", "RankRuns", "install_lazy_indices", "install_deferred", "given_deferred", "peek_lazy"]
+def forget_lazy(obj: Any, name: str) -> None:
+    """Drop the expanded value of a field installed by :func:`install_lazy_indices` when its
+    runs are set (it is expanded from them again when next read): a copy sent to another
+    process carries the O(runs) record, not the ``[cp, n_local]`` tensor."""
+    if obj.__dict__.get(f"_lazy_{name}") is not None:
+        obj.__dict__[f"_lazy_{name}"] = None
+
+
+__all__ = ["Run", "index_runs", "RankRuns", "install_lazy_indices", "install_deferred", "given_deferred", "peek_lazy",
+           "forget_lazy"]

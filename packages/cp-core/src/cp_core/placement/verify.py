@@ -281,13 +281,23 @@ def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: Shar
             different layouts, or their indices do not partition the padded stream; also when
             a peer does not reach the check within the group's timeout.
     """
+    if cp_size(cp_mesh) == 1:
+        return
+    layout = layout if layout is not None else ShardLayout()
+    vec = local_vector(cp_rank(cp_mesh), batch, layout, failed)
+    exchange_vectors(cp_mesh, vec, layout.padded_seq_len, failed=failed)
+
+
+def exchange_vectors(cp_mesh: Any, vec: torch.Tensor, padded_seq_len: int | None, *,
+                     failed: bool = False) -> None:
+    """The collective half of :func:`verify_layout_agreement`: all-gather this rank's
+    :func:`local_vector` (computed wherever the batch was sharded, a data-loader worker
+    included) and check the gathered vectors on every rank."""
     size = cp_size(cp_mesh)
     if size == 1:
         return
     group = cp_group(cp_mesh)
     rank = cp_rank(cp_mesh)
-    layout = layout if layout is not None else ShardLayout()
-    vec = local_vector(rank, batch, layout, failed)
     if dist.get_backend(group) == "nccl":  # NCCL moves device tensors only
         vec = vec.to(torch.device("cuda", torch.cuda.current_device()))
     try:
@@ -299,10 +309,11 @@ def verify_layout_agreement(cp_mesh: Any, batch: Mapping[str, Any], layout: Shar
             "another rank most likely failed before this step's check"
         ) from exc
     if not failed:
-        check_vectors(torch.stack([g.cpu() for g in gathered]), layout.padded_seq_len)
+        check_vectors(torch.stack([g.cpu() for g in gathered]), padded_seq_len)
 
 
 __all__ = [
+    "exchange_vectors",
     "VECTOR_LEN",
     "tensor_fingerprint",
     "batch_fingerprint",
