@@ -247,7 +247,7 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
     ``size``, validated by the backend's model) and collect the per-rank statistics.
 
     Rank 0's plan holds every rank's runs: when its mask describes itself as rectangles, every
-    rank's numbers are counted from them (:func:`cp_core.rank_stats_fast.plan_from_rank0`,
+    rank's numbers are counted from them (:func:`cp_core.rank0_counts.plan_from_rank0`,
     O(runs + rectangles)); otherwise, or with ``every_rank=True``, every rank is sharded in
     turn and counted from its own schedule."""
     from cp_core.registry import build_sharder, resolve_config
@@ -258,7 +258,7 @@ def plan_layout(config: Any, batch: Mapping[str, Any], *,
             f"plan_layout needs cp.size (the number of ranks to simulate) for {backend.name!r}")
     size = int(cfg.size)
     if not every_rank:
-        from cp_core.rank_stats_fast import plan_from_rank0
+        from cp_core.rank0_counts import plan_from_rank0
 
         fast = plan_from_rank0(backend.name, cfg, size, batch)
         if fast is not None:
