@@ -43,7 +43,7 @@ from cp_core.backend_api import (
     without_document_keys,
 )
 from cp_te.local_slots import HostStream, LocalSlots, all_rank_runs, local_slots
-from cp_te.stream import ThdStream, segments_from_document_ids, segments_from_runs
+from cp_te.stream import ThdStream, segments_from_doc_runs
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
 
 #: Keys the sharder writes (any caller value under these names is replaced).
@@ -75,12 +75,9 @@ def document_segments(batch: Mapping[str, Any], sentinel: int = DEFAULT_SENTINEL
     """The documents of ``batch`` (the cp-core resolver, as on every backend) and the THD
     segments they tile the rows into."""
     docs = resolve_documents(batch, sentinel=sentinel)
-    runs = docs.segments()
-    if runs is not None:  # documents known as runs: no per-token scan of their ids
-        _, primary = resolve_primary(batch)  # valid: the resolver read it already
-        return docs, segments_from_runs(runs, int(primary.shape[0]), int(primary.shape[1]),
-                                        primary.device)
-    return docs, segments_from_document_ids(docs.ids)
+    _, primary = resolve_primary(batch)  # valid: the resolver read it already
+    # From the documents' runs, pad or not: no per-token scan of their ids.
+    return docs, segments_from_doc_runs(docs.runs(), primary.device)
 
 
 def _local_positions(nb_pos: torch.Tensor, seq_dim: int, slots: LocalSlots) -> torch.Tensor:

@@ -16,12 +16,15 @@ sharder computes the same for its own slots from the partition's runs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from cp_core.backend_api import Segments
+
+if TYPE_CHECKING:
+    from cp_core.batch.doc_runs import DocRuns
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -63,16 +66,36 @@ def segments_from_document_ids(ids: torch.Tensor) -> Segments:
     return Segments(row, length, span, bsz, seq, "documents")
 
 
-def segments_from_runs(runs: tuple[Any, ...], bsz: int, seq: int, device: torch.device
-                       ) -> Segments:
-    """Segments of documents given as hole-free runs without pad (``Documents.segments()``:
-    ``(starts, ends, rows, batch)``), O(documents): the same segments
-    :func:`segments_from_document_ids` finds by scanning the ids."""
-    starts, ends, rows, _ = runs
-    length = torch.from_numpy(np.asarray(ends, np.int64) - np.asarray(starts, np.int64))
-    length = length.to(device)
-    return Segments(torch.from_numpy(np.asarray(rows, np.int64)).to(device), length,
-                    length.clone(), bsz, seq, "documents")
+def segments_from_doc_runs(runs: "DocRuns", device: torch.device | str = "cpu") -> Segments:
+    """The THD segments of resolved documents given as runs (``Documents.runs()``: every
+    document's first token and the pad intervals), O(documents + pad runs), pad or not: the
+    segments :func:`segments_from_document_ids` finds by scanning ``[B, S]`` ids.
+
+    A segment starts at every row start and every document start; it ends where the next
+    one starts. Its ``length`` runs to its last real token: pad holes inside a document stay
+    in it, the pad closing it joins only its span. A row that starts with pad opens a
+    pad-only segment (length 0).
+    """
+    bsz, seq = runs.batch_size, runs.seq_len
+    total = bsz * seq
+    starts = np.asarray(runs.starts, np.int64)
+    seg_start = np.union1d(starts, np.arange(0, total, seq, dtype=np.int64))
+    seg_end = np.append(seg_start[1:], total)
+    is_doc = np.isin(seg_start, starts, assume_unique=True)
+    # Merge touching pad intervals so the one holding a segment's last slot starts where the
+    # pad closing the segment starts.
+    lo, hi = (np.asarray(a, np.int64) for a in runs.pad)
+    if lo.size:
+        keep = np.append(True, lo[1:] > hi[:-1])
+        lo, hi = lo[keep], np.maximum.reduceat(hi, np.flatnonzero(keep))
+    last = seg_end - 1
+    k = np.searchsorted(lo, last, side="right") - 1
+    in_pad = (k >= 0) & (last < hi[np.maximum(k, 0)] if lo.size else np.zeros_like(last, bool))
+    real_end = np.where(in_pad, lo[np.maximum(k, 0)] if lo.size else seg_end, seg_end)
+    length = np.where(is_doc, real_end - seg_start, 0)
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(device)  # noqa: E731
+    return Segments(as_t(seg_start // seq), as_t(length), as_t(seg_end - seg_start), bsz, seq,
+                    "documents")
 
 
 @dataclass(frozen=True)
