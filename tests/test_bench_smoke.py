@@ -173,3 +173,26 @@ def test_comm_fields(results: dict[str, dict]) -> None:
         got = {r["transport"].split()[0] for r in rows if r["cp"] == 16 and r["layout"] == layout}
         assert got == {"p2p", "ulysses", "usp"}, (layout, got)
 
+
+
+def test_transport_usp_quick(tmp_path: Path) -> None:
+    """``transport --transport-usp --quick``: the 2-D transport's rows beside p2p and ulysses,
+    its measured forward bytes equal to the byte model on every rank."""
+    proc = subprocess.run([sys.executable, str(RUN), "transport", "--quick", "--transport-usp",
+                           "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, f"run.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    res = json.loads((tmp_path / "transport.json").read_text())
+    assert res["settings"]["usp"] is True and res["settings"]["cp"] == [4]
+    rows = _ok_rows(res)
+    for backend in ("round_robin", "magi"):
+        got = sorted(r["transport"] for r in rows if r["backend"] == backend)
+        # 8 query / 4 K/V heads split over u = 2 at cp 4 (u = 1 and u = cp are the others).
+        assert got == ["p2p", "ulysses", "usp(u=2)"], (backend, got)
+    for r in rows:
+        assert r["t_ms"] > 0 and r["recv_max_mb"] >= r["recv_mean_mb"] >= 0, r
+        if r["transport"].startswith("usp"):
+            assert r["sent_bytes"] == r["model_bytes"], r
+            # Independent of the plan: the all-to-alls alone send (u-1)/u of q, k, v and the
+            # output (8 + 4 + 4 + 8 heads of dim 64, fp32) of the rank's 1024/cp tokens.
+            assert min(r["sent_bytes"]) >= (2 - 1) / 2 * (1024 // 4) * 24 * 64 * 4, r

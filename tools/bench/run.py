@@ -1,7 +1,7 @@
 """One entry point for the benchmarks: prints a table and writes JSON per benchmark.
 
     python tools/bench/run.py {balance,host,offthread,gather,transport,step,locality,comm,all}
-        [--quick] [--out DIR] [--peers] [--forms all|position_ids]
+        [--quick] [--out DIR] [--peers] [--forms all|position_ids] [--transport-usp]
 
 ``--quick`` runs tiny sizes in seconds (what the smoke test uses); ``--peers`` creates the
 peers' virtual environments under ``DIR/peer_venvs/`` (Megatron-Core, NeMo AutoModel; never in
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="step: attention score-block budget (cp.attn_block_budget_mb)")
     parser.add_argument("--transport-regather-kv", action="store_true",
                         help="step: keep only local K/V for backward (cp.attn_regather_kv)")
+    parser.add_argument("--transport-usp", action="store_true",
+                        help="transport: p2p, ulysses and the 2-D usp(u=k) on packed rows at "
+                             "CP 4 and 8 (round_robin, magi) instead of the default table")
     args = parser.parse_args(argv)
     names = BENCHMARKS if args.which == "all" else (args.which,)
     # One intra-op thread: on a small shared machine OpenMP's spinning worker threads turn
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             kwargs.update(peers=args.peers, out_dir=args.out, forms=args.forms)
         if name == "offthread":
             kwargs.update(forms=args.forms)
+        if name == "transport":
+            kwargs.update(usp=args.transport_usp)
         if name == "step":
             kwargs.update(budget_mb=args.transport_budget_mb,
                           regather_kv=args.transport_regather_kv)
