@@ -116,7 +116,11 @@ def test_worker_shard_is_the_step_shard(name: str, workers: int) -> None:
     config = {"backend": name, "verify_layout": True}
     batches = _batches()
     collate = CPCollator(_first, config, rank, size)
-    loader = DataLoader(batches, batch_size=1, num_workers=workers, collate_fn=collate)
+    # forkserver: workers forked from a one-thread server, not from this (threaded) test
+    # process, where a lock held by another thread at the fork could leave a worker stuck;
+    # the timeout turns such a hang into a failure (far above any loaded machine's wait).
+    extra = {"multiprocessing_context": "forkserver", "timeout": 600} if workers else {}
+    loader = DataLoader(batches, batch_size=1, num_workers=workers, collate_fn=collate, **extra)
     trainer = build_sharder(config, SimulatedCPMesh(rank, size))
     reference = build_sharder(config, SimulatedCPMesh(rank, size))
     hosts = list(loader)

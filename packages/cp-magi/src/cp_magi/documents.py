@@ -17,33 +17,12 @@ import numpy as np
 import torch
 
 
-def stream_spans(ids: torch.Tensor) -> np.ndarray:
-    """``[N, 2]`` int64 ``[start, end)`` of every document (first to last real token) in the
-    flattened stream, in stream order. ``ids`` are resolved ids (per row 1, 2, ..., 0 pad)."""
-    bsz, seq = ids.shape
-    flat = ids.reshape(-1).cpu().numpy().astype(np.int64)
-    row = np.repeat(np.arange(bsz, dtype=np.int64), seq)
-    real = np.nonzero(flat > 0)[0]
-    if real.size == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    key = row[real] * (int(flat.max()) + 1) + flat[real]  # one key per (row, document)
-    new = np.ones(real.size, dtype=bool)
-    new[1:] = key[1:] != key[:-1]
-    starts = real[new]
-    ends = np.append(real[np.nonzero(new)[0][1:] - 1], real[-1]) + 1
-    return np.stack([starts, ends], axis=1).astype(np.int64)
-
-
 def document_spans(docs: Any, seq: int) -> np.ndarray:
-    """:func:`stream_spans` of a resolved ``Documents``: from its runs when it knows them
-    (``Documents.segments()``: O(documents), no per-token scan), else from its ids."""
-    runs = docs.segments()
-    if runs is None:
-        return stream_spans(docs.ids)
-    starts, ends, rows = (np.asarray(x, np.int64) for x in runs[:3])
-    keep = ends > starts
-    base = rows[keep] * seq
-    return np.stack([base + starts[keep], base + ends[keep]], axis=1)
+    """``[N, 2]`` int64 ``[start, end)`` of every document (first to last real token) in the
+    flattened stream, in stream order, of a resolved ``Documents``: from its runs (cp-core's
+    ``DocRuns.spans()``: O(documents + pad runs), no per-token scan), pad or not."""
+    del seq  # the runs know the row length
+    return docs.runs().spans()
 
 
 def span_rows(spans: np.ndarray, seq: int) -> np.ndarray:
@@ -93,4 +72,4 @@ class RealKeyMask:
         return real_keys_only(self.inner.attention_rects(), self.real)  # type: ignore[attr-defined]
 
 
-__all__ = ["stream_spans", "document_spans", "span_rows", "RealKeyMask"]
+__all__ = ["document_spans", "span_rows", "RealKeyMask"]

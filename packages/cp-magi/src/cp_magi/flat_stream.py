@@ -29,7 +29,7 @@ from cp_core.backend_api import (
     resolve_documents,
     without_document_keys,
 )
-from cp_magi.documents import RealKeyMask, stream_spans
+from cp_magi.documents import RealKeyMask
 from cp_magi.mask import AttnRectangles, RectangleTokenMask
 from cp_magi.mask_builders import document_mask
 
@@ -108,7 +108,7 @@ class KindBuilder:
     device: torch.device
 
     def __call__(self, kind: str, window: int | None, chunk: int | None) -> RectangleTokenMask:
-        rects = document_mask(stream_spans(self.docs.ids), self.padded, attention=kind,
+        rects = document_mask(self.docs.runs().spans(), self.padded, attention=kind,
                               window=window, chunk=chunk)
         return RectangleTokenMask.from_rectangles(
             rects, self.device, window=window if kind == "sliding_window" else None,
@@ -125,8 +125,11 @@ def has_holes(docs: Documents) -> bool:
     """True when some pad token lies inside a document (between its first and last token)."""
     if docs.segments() is not None:
         return False  # documents known as runs: there is no pad at all
-    spans = stream_spans(docs.ids)
-    return int((spans[:, 1] - spans[:, 0]).sum()) != int((~docs.pad).sum())
+    runs = docs.runs()
+    spans = runs.spans()
+    lo, hi = runs.pad
+    real = runs.batch_size * runs.seq_len - int((hi - lo).sum())
+    return int((spans[:, 1] - spans[:, 0]).sum()) != real
 
 
 def finish_flat(cp_mesh: Any, docs: Documents, out: dict[str, Any], layout: ShardLayout,

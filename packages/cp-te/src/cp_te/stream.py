@@ -78,21 +78,13 @@ def segments_from_doc_runs(runs: "DocRuns", device: torch.device | str = "cpu") 
     """
     bsz, seq = runs.batch_size, runs.seq_len
     total = bsz * seq
-    starts = np.asarray(runs.starts, np.int64)
-    seg_start = np.union1d(starts, np.arange(0, total, seq, dtype=np.int64))
+    spans = runs.spans()
+    seg_start = np.union1d(spans[:, 0], np.arange(0, total, seq, dtype=np.int64))
     seg_end = np.append(seg_start[1:], total)
-    is_doc = np.isin(seg_start, starts, assume_unique=True)
-    # Merge touching pad intervals so the one holding a segment's last slot starts where the
-    # pad closing the segment starts.
-    lo, hi = (np.asarray(a, np.int64) for a in runs.pad)
-    if lo.size:
-        keep = np.append(True, lo[1:] > hi[:-1])
-        lo, hi = lo[keep], np.maximum.reduceat(hi, np.flatnonzero(keep))
-    last = seg_end - 1
-    k = np.searchsorted(lo, last, side="right") - 1
-    in_pad = (k >= 0) & (last < hi[np.maximum(k, 0)] if lo.size else np.zeros_like(last, bool))
-    real_end = np.where(in_pad, lo[np.maximum(k, 0)] if lo.size else seg_end, seg_end)
-    length = np.where(is_doc, real_end - seg_start, 0)
+    # Row starts that open no document are pad-only segments (length 0).
+    length = np.zeros_like(seg_start)
+    at = np.searchsorted(seg_start, spans[:, 0])
+    length[at] = spans[:, 1] - spans[:, 0]
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(device)  # noqa: E731
     return Segments(as_t(seg_start // seq), as_t(length), as_t(seg_end - seg_start), bsz, seq,
                     "documents")

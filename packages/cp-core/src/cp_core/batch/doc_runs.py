@@ -136,6 +136,27 @@ class DocRuns:
         rows = self.starts // seq
         return self.starts - rows * seq, ends - rows * seq, rows, self.batch_size
 
+    def spans(self) -> np.ndarray:
+        """``[N, 2]`` int64 ``[start, end)`` flat positions of every document, from its first
+        to its last real token (pad holes inside it included), in stream order; O(documents +
+        pad runs), pad or not."""
+        seq, total = self.seq_len, self.batch_size * self.seq_len
+        starts = np.asarray(self.starts, np.int64)
+        # A document ends at the next document's start or at its row's end, less the pad
+        # closing it (documents never cross rows).
+        bound = np.minimum(np.append(starts[1:], total), (starts // seq + 1) * seq)
+        lo, hi = (np.asarray(a, np.int64) for a in self.pad)
+        end = bound
+        if lo.size:
+            # Touching pad intervals merged: the one holding a document's last slot then
+            # starts where the pad closing the document starts.
+            keep = np.append(True, lo[1:] > hi[:-1])
+            lo, hi = lo[keep], np.maximum.reduceat(hi, np.flatnonzero(keep))
+            k = np.maximum(np.searchsorted(lo, bound - 1, side="right") - 1, 0)
+            closed = (lo[k] <= bound - 1) & (bound - 1 < hi[k])
+            end = np.where(closed, lo[k], bound)
+        return np.stack([starts, end], axis=1)
+
     def ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[B, S]`` int64 ids: per row 1, 2, ... over the real tokens, 0 on pad."""
         bsz, seq = self.batch_size, self.seq_len

@@ -10,7 +10,11 @@ is balanced, the most balanced. Nothing here knows any backend by name.
 
 Each backend plans in a forked child process under a CPU-time limit (``explain.layout_cpu_s``):
 a layout solver that would take minutes at the asked size is reported as not planned, with
-the limit, instead of holding the answer.
+the limit, instead of holding the answer. A fork is made only from a process with no other
+Python thread (a thread holding a lock at the fork leaves the child waiting on it forever);
+otherwise, or when a child stays silent for :data:`SILENT_S` wall seconds (a stuck child, not
+a slow one: the CPU limit ends slow ones), the layout is planned in this process, without the
+limit. Either way the numbers are the same.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import multiprocessing as mp
 import resource
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +36,10 @@ if TYPE_CHECKING:
 
 #: Work max/mean a layout may reach and still count as balanced.
 BALANCED = 1.01
+
+#: Wall seconds of silence after which a child is taken for stuck (at least; 40x the CPU
+#: limit when that is larger, so a loaded machine never trips it on a working child).
+SILENT_S = 120.0
 
 
 def batch_for(q: "Question") -> dict[str, Any]:
@@ -98,6 +107,39 @@ def _child(conn: Any, q: "Question", name: str, batch: dict[str, Any], cpu_s: fl
     conn.close()
 
 
+def _in_child(q: "Question", name: str, batch: dict[str, Any]) -> "Planned | None":
+    """``name``'s :class:`Planned` from a forked child under the CPU limit, or None when the
+    child stays silent for :data:`SILENT_S` (it is then ended and the caller plans here)."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, q, name, batch, q.layout_cpu_s))
+    proc.start()
+    send.close()
+    silent = max(SILENT_S, 40 * q.layout_cpu_s)
+    limit = (f"over explain.layout_cpu_s={q.layout_cpu_s:g} s of host time at this "
+             "size (raise it to wait)")
+    try:
+        if not recv.poll(silent):
+            proc.kill()
+            return None
+        try:
+            got = recv.recv()
+        except EOFError:
+            return Planned(name, f"not planned: {limit}", error="limit")
+        if got.error is None:
+            try:
+                if not recv.poll(silent):
+                    proc.kill()
+                    return None
+                got.options = recv.recv()
+            except EOFError:
+                got.probe += f"; transports not sized: {limit}"
+        return got
+    finally:
+        proc.join()
+        recv.close()
+
+
 def plan_all(q: "Question", names: list[str]) -> list[Planned]:
     """Every backend's :class:`Planned`, each in a forked child under the CPU limit (in this
     process when forking is unavailable or the limit is 0). A progress line per backend goes
@@ -109,27 +151,10 @@ def plan_all(q: "Question", names: list[str]) -> list[Planned]:
         print(f"cp-plan --explain: planning cp={name} at cp.size={q.size} "
               f"({q.rows} x {q.seq_len:,} tokens)...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        if not fork:
+        got = _in_child(q, name, batch) if fork and threading.active_count() == 1 else None
+        if got is None:
             got, counts = _plan_one(q, name, batch)
             got.options = _options(q, counts)
-        else:
-            ctx = mp.get_context("fork")
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(send, q, name, batch, q.layout_cpu_s))
-            proc.start()
-            send.close()
-            limit = (f"over explain.layout_cpu_s={q.layout_cpu_s:g} s of host time at this "
-                     "size (raise it to wait)")
-            try:
-                got = recv.recv()
-            except EOFError:
-                got = Planned(name, f"not planned: {limit}", error="limit")
-            if got.error is None:
-                try:
-                    got.options = recv.recv()
-                except EOFError:
-                    got.probe += f"; transports not sized: {limit}"
-            proc.join()
         got.seconds = time.perf_counter() - start
         out.append(got)
     return out
