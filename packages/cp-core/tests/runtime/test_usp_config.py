@@ -33,6 +33,10 @@ def test_the_split_is_checked_when_the_sharder_is_built() -> None:
                       SimulatedCPMesh(0, 6))
     with pytest.raises(CPConfigError, match=r"read by cp.transport=usp only .*'p2p'"):
         _build(4, ulysses_size=2)
+
+
+def test_blockdiag_refuses_usp() -> None:
+    pytest.importorskip("cp_blockdiag")  # cp-core installed alone has no blockdiag
     with pytest.raises(CPConfigError, match=r"cp.transport='usp' is not honoured by blockdiag"):
         build_sharder({"backend": "blockdiag", "size": 2, "transport": "usp",
                        "ulysses_size": 2}, SimulatedCPMesh(0, 2))
@@ -42,6 +46,7 @@ def test_hydra_selects_it_by_name_and_size() -> None:
     from cp_core.hydra_config import compose_app_config
     from cp_core.registry import get_backend
 
+    pytest.importorskip("cp_te")  # cp-core installed alone has no te_thd
     node = dict(compose_app_config("cp_plan", ["cp=te_thd", "cp.transport=usp",
                                                "cp.ulysses_size=2"]).cp)
     cfg = get_backend("te_thd").make_config(node)
@@ -76,6 +81,8 @@ def test_ring_schedule_is_the_reference_schedule_of_the_groups(backend: str, u: 
     from cp_core.testing import reference_attention as ref
     from cp_core.testing.reference_plan import build_schedule, rank_runs
 
+    # cp-core installed alone has only its own layouts.
+    pytest.importorskip({"te_thd": "cp_te", "magi": "cp_magi"}.get(backend, "cp_core"))
     cp, rows, seq = 8, [[13, 30, 9], [40, 5]], 53
     pos = ref.positions_from_lengths(rows, seq)
     batch = {"input_ids": torch.ones(2, seq, dtype=torch.long), "position_ids": pos,

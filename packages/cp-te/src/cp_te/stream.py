@@ -16,15 +16,12 @@ sharder computes the same for its own slots from the partition's runs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from cp_core.backend_api import Segments
-
-if TYPE_CHECKING:
-    from cp_core.batch.doc_runs import DocRuns
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +63,7 @@ def segments_from_document_ids(ids: torch.Tensor) -> Segments:
     return Segments(row, length, span, bsz, seq, "documents")
 
 
-def segments_from_doc_runs(runs: "DocRuns", device: torch.device | str = "cpu") -> Segments:
+def segments_from_doc_runs(runs: Any, device: torch.device | str = "cpu") -> Segments:
     """The THD segments of resolved documents given as runs (``Documents.runs()``: every
     document's first token and the pad intervals), O(documents + pad runs), pad or not: the
     segments :func:`segments_from_document_ids` finds by scanning ``[B, S]`` ids.
