@@ -74,21 +74,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def _truth(rows: list[list[int]], seq: int, kind: str, extra: dict[str, Any],
-           tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Output and q/k/v gradients of float64 attention over the explicit mask."""
-    doc = ref.doc_ids_from_lengths(rows, seq)
-    pos = ref.positions_from_lengths(rows, seq)
-    idx = list(range(seq))
-    allowed = ref.explicit_mask(doc, pos, kind, idx, idx, extra.get("window"),
-                                extra.get("chunk"))
-    q, k, v, g = tensors
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out = ref.dense_attention(*leaves, allowed)
-    (out * g.double()).sum().backward()
-    return out.detach(), [t.grad for t in leaves]
-
-
 def _needed_rows(rows: list[list[int]], seq: int, kind: str, extra: dict[str, Any],
                  rank_indices: torch.Tensor, me: int) -> int:
     """Key rows of other ranks that some query of rank ``me`` may see (brute force)."""
@@ -127,7 +112,7 @@ def case_parity(rank: int, world: int, backend: str, size: int, kind: str,
                                 tensors, kind, explicit_mask)
     one_out, one_grads, _ = _attend({"backend": "identity", "size": 1, **common}, None, batch,
                                     tensors, kind, explicit_mask)
-    true_out, true_grads = _truth(rows, seq, kind, extra, tensors)
+    true_out, true_grads = ref.packed_truth(rows, seq, kind, extra, tensors)
     names = ("dq", "dk", "dv")
     errors = {"out": _rel(out, true_out)}
     errors.update({n: _rel(a, b) for n, a, b in zip(names, grads, true_grads)})
@@ -279,7 +264,7 @@ def case_p2p_own_gradients(rank: int, world: int, size: int) -> str | None:
     gen = torch.Generator().manual_seed(11)
     batch = _doc_batch(rows, seq, gen)
     tensors = [torch.randn(2, h, seq, 8, generator=gen) for h in (4, 2, 2, 4)]
-    _, true_grads = _truth(rows, seq, "causal", {}, tensors)
+    _, true_grads = ref.packed_truth(rows, seq, "causal", {}, tensors)
     sharder = build_sharder({"backend": "round_robin", "size": size, "transport": "p2p"}, group)
     ctx_factory, _ = sharder.shard(batch)
     leaves = [t.detach().clone().requires_grad_() for t in tensors[:3]]

@@ -49,19 +49,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def _truth(kind: str, extra: dict[str, Any], tensors: list[torch.Tensor]
-           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    doc, pos = ref.doc_ids_from_lengths(ROWS, SEQ), ref.positions_from_lengths(ROWS, SEQ)
-    idx = list(range(SEQ))
-    allowed = ref.explicit_mask(doc, pos, kind, idx, idx, extra.get("window"),
-                                extra.get("chunk"))
-    q, k, v, g = tensors
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out = ref.dense_attention(*leaves, allowed)
-    (out * g.double()).sum().backward()
-    return out.detach(), [t.grad for t in leaves]
-
-
 def _stream_docs(layout: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Document id and position of every stream position of the layout, from the caller's
     documents and the layout's caller -> stream map (a flat-stream layout numbers one row;
@@ -159,7 +146,7 @@ def case_grid(rank: int, world: int, cases: list[tuple[Any, ...]], seed: int = 0
         except CPConfigError as exc:  # a layout that does not serve this kind says so
             results.append({"refused": str(exc)})
             continue
-        want_out, want_grads = _truth(kind, extra, tensors)
+        want_out, want_grads = ref.packed_truth(ROWS, SEQ, kind, extra, tensors)
         errors = {"out": _rel(got["out"], want_out)}
         errors.update({n: _rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), got["grads"],
                                                         want_grads)})
@@ -309,7 +296,7 @@ def case_grid_mesh(rank: int, world: int, ring: int, u: int) -> dict[str, Any]:
     on_mesh = _attend(cfg, mesh, batch, tensors, "sliding_window")
     flat = _attend({**cfg, "ulysses_size": u}, leading_group(world), batch, tensors,
                    "sliding_window")
-    want_out, want_grads = _truth("sliding_window", {"window": 4}, tensors)
+    want_out, want_grads = ref.packed_truth(ROWS, SEQ, "sliding_window", {"window": 4}, tensors)
     errors = [_rel(on_mesh["out"], want_out)] + [
         _rel(a, b) for a, b in zip(on_mesh["grads"], want_grads)]
     same = torch.equal(on_mesh["out"], flat["out"]) and all(

@@ -89,3 +89,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
         column = sinks.double().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
         p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1] * m
     return p @ v64
+
+
+def packed_truth(rows: list[list[int]], seq: int, kind: str, extra: dict,
+                 tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and q/k/v gradients of float64 attention over the loop-built mask of packed
+    ``rows`` (document lengths per row, ``seq`` slots each) for mask ``kind`` (``extra``:
+    its ``window`` / ``chunk``); ``tensors`` is ``[q, k, v, grad_out]``."""
+    doc, pos = doc_ids_from_lengths(rows, seq), positions_from_lengths(rows, seq)
+    idx = list(range(seq))
+    allowed = explicit_mask(doc, pos, kind, idx, idx, extra.get("window"), extra.get("chunk"))
+    q, k, v, g = tensors
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = dense_attention(*leaves, allowed)
+    (out * g.double()).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
