@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cp_core.errors import CPAttentionError
 from cp_core.placement.runs import RankRuns
 from cp_core.plan.crop import local_pieces, schedule_parts
 from cp_core.plan.record import AttentionPlan
@@ -108,6 +109,18 @@ def schedule_for(plan: AttentionPlan) -> P2PSchedule | None:
     return cache["p2p"]
 
 
+def required_schedule(plan: AttentionPlan, transport: str, mask: object) -> P2PSchedule:
+    """:func:`schedule_for` of ``plan``, refused with :class:`CPAttentionError` naming the
+    ``transport`` and the type of the caller's ``mask`` when it cannot describe itself as
+    rectangles (a transport that plans over derived groups passes the derived plan)."""
+    sched = schedule_for(plan)
+    if sched is None:
+        raise CPAttentionError(
+            f"the {transport} transport needs a mask that describes itself as rectangles; "
+            f"{type(mask).__name__} does not")
+    return sched
+
+
 def plan_rects(plan: AttentionPlan) -> BandRects | None:
     """The plan's band rectangles (cached), or None for a mask without ``attention_rects``."""
     cache = plan.cache
@@ -135,5 +148,5 @@ def fused_schedule(plan: AttentionPlan, k_index: torch.Tensor, cache_key: str = 
     return sched
 
 
-__all__ = ["P2PSchedule", "RingStep", "schedule_for",
+__all__ = ["P2PSchedule", "RingStep", "schedule_for", "required_schedule",
            "schedule_from_runs", "plan_rects", "fused_schedule"]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cp_core.plan.schedule import schedule_for
+from cp_core.plan.schedule import required_schedule
 from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.runtime.transports.p2p import P2PTransport
 from cp_core.placement.runs import RankRuns
@@ -109,10 +109,7 @@ class UlyssesTransport:
 
     def prepare(self, plan: AttentionPlan) -> None:
         """Build the whole-sequence schedule now, before the forward."""
-        if schedule_for(_global_plan(plan)) is None:
-            raise CPAttentionError(
-                f"the ulysses transport needs a mask that describes itself as rectangles; "
-                f"{type(plan.mask).__name__} does not")
+        required_schedule(_global_plan(plan), "ulysses", plan.mask)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                  *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,

@@ -32,7 +32,7 @@ from cp_core.errors import CPAttentionError
 from cp_core.plan.comm_model import kv_heads_after_split
 from cp_core.plan.grid import ring_plan
 from cp_core.plan.record import AttentionPlan
-from cp_core.plan.schedule import schedule_for
+from cp_core.plan.schedule import required_schedule
 from cp_core.runtime.p2p_ring import p2p_attention
 from cp_core.runtime.transports.p2p import P2PTransport
 
@@ -114,10 +114,7 @@ class USPTransport:
     def prepare(self, plan: AttentionPlan) -> None:
         """Create the subgroups and build the ring's schedule now, before the forward."""
         _, ring = self._split(plan)
-        if schedule_for(ring) is None:
-            raise CPAttentionError(
-                f"the usp transport needs a mask that describes itself as rectangles; "
-                f"{type(plan.mask).__name__} does not")
+        required_schedule(ring, "usp", plan.mask)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                  *, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -134,10 +131,7 @@ class USPTransport:
         grid, ring = self._split(plan)
         u = grid.ulysses_size
         rep = kv_repeats(q.shape[1], k.shape[1], u)
-        if schedule_for(ring) is None:
-            raise CPAttentionError(
-                f"the usp transport needs a mask that describes itself as rectangles; "
-                f"{type(plan.mask).__name__} does not")
+        required_schedule(ring, "usp", plan.mask)
         kernel: Any = plan.options.kernel
         if u == 1:  # the p2p transport, call for call
             return p2p_attention(q, k, v, ring, scale, kernel, sinks=sinks, softcap=softcap)
