@@ -1,4 +1,5 @@
-"""Shared by the tests that run README examples under torchrun: extract one, run it."""
+"""Shared by the tests that run README examples under torchrun: extract one, run it, and the
+per-document loss their printed numbers are held to."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,3 +39,23 @@ def torchrun(script: Path, nproc: int, *args: str, timeout: int = 600
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script), *args],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=script.parent,
     )
+
+
+def document_loss_sum(model: Any, ids: Any, rows: list[list[int]]) -> tuple[Any, int]:
+    """Summed next-token cross-entropy of every document of ``ids`` (``[B, S]``; ``rows``:
+    the document lengths of each row) run alone through ``model`` with plain positions, and
+    the number of predicted tokens: the truth without any CP code."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count = torch.zeros(()), 0
+    for b, lens in enumerate(rows):
+        start = 0
+        for n in lens:
+            doc = ids[b, start:start + n]
+            if n > 1:
+                logits = model(doc[None, :-1], position_ids=torch.arange(n - 1)[None])
+                total = total + F.cross_entropy(logits[0], doc[1:], reduction="sum")
+                count += n - 1
+            start += n
+    return total, count

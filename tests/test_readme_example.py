@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_runs import readme_example, torchrun  # noqa: E402
+from readme_runs import document_loss_sum, readme_example, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -32,7 +32,6 @@ def _unsharded_losses() -> list[float]:
     document alone through the model (plain causal SDPA), targets the next token of the same
     document, the loss summed over both dp replicas' tokens and divided by their count."""
     import torch
-    import torch.nn.functional as F
 
     from cp_core.datasets import make_packed_batch, packed_rows
     from cp_core.testing.reference_model import ReferenceDecoder
@@ -46,16 +45,8 @@ def _unsharded_losses() -> list[float]:
         for replica in range(2):
             rows = packed_rows(2, 1024, seed=100 * step + replica)
             ids = make_packed_batch(rows, vocab=256, seed=step)["input_ids"]
-            total = torch.zeros(())
-            for b, lens in enumerate(rows):
-                start = 0
-                for n in lens:
-                    doc = ids[b, start:start + n]
-                    if n > 1:
-                        logits = model(doc[None, :-1], position_ids=torch.arange(n - 1)[None])
-                        total = total + F.cross_entropy(logits[0], doc[1:], reduction="sum")
-                        count += n - 1
-                    start += n
+            total, n = document_loss_sum(model, ids, rows)
+            count += n
             sums.append(total)
         loss = (sums[0] + sums[1]) / count
         loss.backward()

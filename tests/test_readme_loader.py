@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_runs import readme_example, torchrun  # noqa: E402
+from readme_runs import document_loss_sum, readme_example, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -31,7 +31,6 @@ def _unsharded_losses() -> list[float]:
     """Each step's token-mean loss computed without any CP code: every document alone through
     the model (plain causal SDPA), targets the next token of the same document."""
     import torch
-    import torch.nn.functional as F
 
     from cp_core.datasets import make_packed_batch, packed_rows
     from cp_core.testing.reference_model import ReferenceDecoder
@@ -42,14 +41,7 @@ def _unsharded_losses() -> list[float]:
     for step in range(3):
         rows = packed_rows(1, 4096, seed=step)
         ids = make_packed_batch(rows, vocab=256, seed=step)["input_ids"]
-        total, count, start = torch.zeros(()), 0, 0
-        for n in rows[0]:
-            doc = ids[0, start:start + n]
-            if n > 1:
-                logits = model(doc[None, :-1], position_ids=torch.arange(n - 1)[None])
-                total = total + F.cross_entropy(logits[0], doc[1:], reduction="sum")
-                count += n - 1
-            start += n
+        total, count = document_loss_sum(model, ids, rows)
         loss = total / count
         loss.backward()
         opt.step()
