@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from cp_core.datasets import make_packed_batch
 from cp_core.errors import CPAttentionError
+from cp_core.testing.loops import tiny_llama
 from cp_core.testing.parity import identity_sharder
 from cp_core.testing.reference_model import ReferenceDecoder
 from cp_core.testing.truth import per_document_step, truth_step
@@ -39,15 +40,6 @@ def _vision(impl: str) -> Any:
     return transformers.SiglipVisionModel(cfg)
 
 
-def _llama(impl: str) -> Any:
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, use_cache=False,
-                                   attn_implementation=impl)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 class TinyVLM(torch.nn.Module):
     """A vision tower and a decoder in one model (the vision output is returned, not fed in)."""
 
@@ -67,7 +59,7 @@ def _vlm(decoder: str) -> TinyVLM:
     import cp_core.hf  # noqa: F401  registers "cp"
 
     if decoder == "hf":
-        return TinyVLM(_vision("cp"), _llama("cp"))
+        return TinyVLM(_vision("cp"), tiny_llama("cp"))
     return TinyVLM(_vision("sdpa"), ReferenceDecoder(vocab_size=64, hidden_size=32,
                                                      num_layers=2, num_heads=4, num_kv_heads=2,
                                                      intermediate_size=64, seed=3))
@@ -93,7 +85,7 @@ def test_scoped_step_serves_the_decoder_and_leaves_the_tower_untouched(decoder: 
     model = _vlm(decoder)
     batch = _batch()
     if decoder == "hf":
-        want_loss, want_grads = per_document_step(_llama("sdpa"), batch)
+        want_loss, want_grads = per_document_step(tiny_llama("sdpa"), batch)
     else:
         want_loss, want_grads = truth_step(model.language_model, batch)
     want_seen = _vision("sdpa")(pixel_values=PIXELS).last_hidden_state
