@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cp_core.datasets import make_packed_batch
+from cp_core.testing.hf_models import gathered_token_loss
 from cp_core.testing.multirank import RankPool, leading_group
 
 transformers = pytest.importorskip("transformers")
@@ -136,10 +137,7 @@ def _case(rank: int, world: int, arch: str, backend: str, size: int, impl: str =
         loss = cp_cross_entropy(logits, local["labels"], group)
         loss.backward()
     allreduce_gradients(model, group)
-    token_loss = torch.nn.functional.cross_entropy(
-        logits.detach().flatten(0, -2).double(), local["labels"].flatten(), ignore_index=-100,
-        reduction="none").view(local["labels"].shape)
-    token_loss = sharder.gather_token_tensor(token_loss, trim=True, fill=0.0)
+    token_loss = gathered_token_loss(sharder, logits, local["labels"])
     if rank:
         return None
     return {"loss": float(loss.detach()), "token_loss": token_loss,

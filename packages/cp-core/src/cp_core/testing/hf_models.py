@@ -275,6 +275,18 @@ def compare(truth: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
             "tokens": tokens}
 
 
+def gathered_token_loss(sharder: Any, logits: torch.Tensor, labels: torch.Tensor
+                        ) -> torch.Tensor:
+    """Each token's float64 cross-entropy of a CP step's local ``logits`` against its local
+    ``labels`` (``-100`` ignored, 0), gathered back to the caller's ``[B, S]`` (what
+    :func:`compare` reads as ``token_loss``). Collective: every rank calls it."""
+    token_loss = torch.nn.functional.cross_entropy(
+        logits.detach().flatten(0, -2).double(), labels.flatten(), ignore_index=-100,
+        reduction="none").view(labels.shape)
+    return sharder.gather_token_tensor(token_loss, trim=True, fill=0.0)
+
+
 __all__ = ["ARCHS", "AUTO_SHRINK", "COMMON", "GRAD_FLOOR", "REFUSED_FEATURE", "auto_rows",
-           "cached_truth", "compare", "document_truth", "documents_of", "tiny_model",
+           "cached_truth", "compare", "document_truth", "documents_of", "gathered_token_loss",
+           "tiny_model",
            "weights_digest"]

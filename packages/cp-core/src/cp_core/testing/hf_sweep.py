@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 import torch
 
-from cp_core.testing.hf_models import REFUSED_FEATURE, cached_truth, compare, tiny_model, \
-    weights_digest
+from cp_core.testing.hf_models import REFUSED_FEATURE, cached_truth, compare, \
+    gathered_token_loss, tiny_model, weights_digest
 
 #: The sweep's batch: row 0 is full, row 1 ends in 14 pad tokens; every document but the
 #: shortest is longer than the rows' windows (5-7) and Llama 4's chunk (8).
@@ -86,10 +86,7 @@ def _step(rank: int, group: Any, arch: str, backend: str, size: int, config: dic
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     allreduce_gradients(model, group)
-    token_loss = torch.nn.functional.cross_entropy(
-        logits.detach().flatten(0, -2).double(), local["labels"].flatten(), ignore_index=-100,
-        reduction="none").view(local["labels"].shape)
-    token_loss = sharder.gather_token_tensor(token_loss, trim=True, fill=0.0)
+    token_loss = gathered_token_loss(sharder, logits, local["labels"])
     if rank:
         return {"status": "ran"}
     return {"status": "ran", "loss": float(loss.detach()), "token_loss": token_loss,
