@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from cp_core.datasets import make_packed_batch
+from cp_core.testing.loops import LogitsOnly, tiny_llama
 from cp_core.testing.multirank import RankPool
 
 transformers = pytest.importorskip("transformers")
@@ -51,35 +52,15 @@ BATCHES = [
 ]
 
 
-def _model(impl: str) -> Any:
-    torch.manual_seed(0)  # the same random weights on every rank and for the truth
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, use_cache=False,
-        attn_implementation=impl)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def _batch(i: int) -> dict[str, torch.Tensor]:
     return make_packed_batch(BATCHES[i], vocab=64, seed=11 + i, pad_to=SEQ)
-
-
-class _Logits(torch.nn.Module):
-    """The Hugging Face model returning its logits (what the truth step calls)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kwargs: Any) -> torch.Tensor:
-        return self.model(**kwargs, use_cache=False).logits
 
 
 @functools.lru_cache(maxsize=None)
 def _truth(i: int) -> tuple[float, dict[str, torch.Tensor]]:
     from cp_core.testing.truth import truth_step
 
-    loss, grads = truth_step(_Logits(_model("sdpa")), _batch(i))
+    loss, grads = truth_step(LogitsOnly(tiny_llama("sdpa")), _batch(i))
     return loss, {name.removeprefix("model."): g for name, g in grads.items()}
 
 
@@ -95,7 +76,7 @@ def _steps(rank: int, world: int) -> dict[str, Any] | None:
 
     torch._dynamo.reset()
     group = torch.distributed.group.WORLD
-    model = _model("cp")
+    model = tiny_llama("cp")
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     out: dict[str, Any] = {}
@@ -161,7 +142,7 @@ def _checkpointed(rank: int, world: int) -> dict[str, Any] | None:
 
     torch._dynamo.reset()
     group = torch.distributed.group.WORLD
-    model = _model("cp")
+    model = tiny_llama("cp")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     counter = CompileCounterWithBackend("aot_eager")

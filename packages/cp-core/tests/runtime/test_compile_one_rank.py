@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cp_core.datasets import make_packed_batch
+from cp_core.testing.loops import LogitsOnly, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,24 +30,6 @@ DEVICES = [
         pytest.mark.gpu,
         pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ]
-
-
-def _model(impl: str) -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, use_cache=False,
-        attn_implementation=impl)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kwargs: Any) -> torch.Tensor:
-        return self.model(**kwargs, use_cache=False).logits
 
 
 def _permuted_plan(batch: dict[str, torch.Tensor], perm: torch.Tensor, device: str) -> Any:
@@ -65,9 +48,9 @@ def test_compiled_model_on_a_permuted_layout_equals_truth(device: str, backend: 
     from cp_core.testing.truth import truth_step
 
     batch = make_packed_batch(DOCS, vocab=64, seed=3, pad_to=SEQ)
-    loss_t, grads_t = truth_step(_Logits(_model("sdpa")), batch)
+    loss_t, grads_t = truth_step(LogitsOnly(tiny_llama("sdpa")), batch)
     perm = torch.randperm(SEQ, generator=torch.Generator().manual_seed(1))
-    model = _model("cp").to(device)
+    model = tiny_llama("cp").to(device)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     local = {k: batch[k][:, perm].to(device) for k in ("input_ids", "position_ids", "labels")}
     with activate_plan(_permuted_plan(batch, perm, device)):

@@ -210,6 +210,19 @@ def tiny_llama(impl: str) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM that returns its logits alone (``use_cache=False``): the
+    module form a truth step (:func:`cp_core.testing.truth.truth_step`) calls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs: Any) -> torch.Tensor:
+        """The wrapped model's logits for ``kwargs``."""
+        return self.model(**kwargs, use_cache=False).logits
+
+
 def logits_forward(model: nn.Module, local: Mapping[str, Any]) -> torch.Tensor:
     """``run_loop``'s ``forward``: the model on the local ids and positions, its logits."""
     out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
@@ -238,4 +251,4 @@ def loop_truth(kind: str, batches: Sequence[Mapping[str, Any]], decoder_seed: in
 __all__ = ["FORMS", "BACKWARD", "selective_policy", "checkpoint_kwargs", "CheckpointedLayer",
            "apply_checkpointing", "unwrapped_name", "LoopResult", "run_loop",
            "relative_errors", "packed_micro_batches", "tiny_decoder", "tiny_llama",
-           "logits_forward", "loop_truth"]
+           "LogitsOnly", "logits_forward", "loop_truth"]
