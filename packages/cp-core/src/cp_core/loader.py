@@ -6,7 +6,7 @@ made, in a ``DataLoader``'s worker processes, for one rank::
 
     loader = DataLoader(dataset, batch_size=2, num_workers=2,
                         collate_fn=CPCollator(collate, {"backend": "round_robin"}, rank, cp))
-    for host in loader:
+    for host in CPLoader(loader):               # received on a background thread
         ctx, local = adopt_shard(sharder, host)   # the training side: no host work left
         with ctx():
             ...
@@ -16,7 +16,9 @@ backend's context factory and its attention plan with the transport's schedule b
 (plain data: tensors, ints, runs; no process group). :func:`adopt_shard` attaches the
 training side's mesh (the group is never pickled), runs ``verify_layout``'s collective when
 the sharder has it on, and returns ``(ctx, local)`` exactly as ``sharder.shard(batch)``
-would: the same local tensors and the same plan, bit for bit.
+would: the same local tensors and the same plan, bit for bit. :class:`CPLoader`
+(:mod:`cp_core.prefetch`) receives the loader's results on a background thread, so the
+training thread's ``next`` is a local queue read, not the worker queue's read and unpickling.
 
 The worker's sharder plans over a :class:`WorkerMesh`, a ``(rank, size)`` stand-in whose
 process group is attached on the training side; a collective on it before that raises.
@@ -38,6 +40,7 @@ from cp_core.placement.layout import ShardLayout
 from cp_core.placement.positions import flat_batch_as_rows
 from cp_core.placement.runs import forget_lazy
 from cp_core.plan.record import AttentionPlan
+from cp_core.prefetch import CPLoader
 
 
 class WorkerMesh:
@@ -357,5 +360,5 @@ class CPCollator:
         return state
 
 
-__all__ = ["CPCollator", "HostShard", "WorkerMesh", "adopt_shard", "check_picklable",
+__all__ = ["CPCollator", "CPLoader", "HostShard", "WorkerMesh", "adopt_shard", "check_picklable",
            "shard_on_host"]
