@@ -70,14 +70,16 @@ def test_offthread_fields(results: dict[str, dict]) -> None:
     assert res["settings"]["cp"] == 8 and res["settings"]["num_workers"] == 1
     forms = {r["form"] for r in rows}
     assert forms == set(res["settings"]["forms"])
-    for form in forms:  # both floors beside the backends, for every form
+    for form in forms:  # the three floors beside the backends, for every form
         labels = {r["backend"] for r in rows if r["form"] == form}
-        assert sum(label.startswith("[floor]") for label in labels) == 2
+        assert sum(label.startswith("[floor]") for label in labels) == 3
         assert "round_robin" in labels
     for r in rows:
-        assert r["ms"] > 0 and r["timing"]["repeats"] >= 1
+        assert r["ms"] > 0 and r["process_ms"] > 0 and r["timing"]["repeats"] >= 1
+        assert r["timing"]["clock"] == "thread_time"
         if not r["backend"].startswith("["):
             assert 0 < r["adopt_ms"] <= r["ms"] and r["x_floor"] > 0 and r["x_floor_loader"] > 0
+            assert r["direct_ms"] > 0
 
 
 def test_host_fields(results: dict[str, dict]) -> None:
