@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -92,16 +93,21 @@ def watch_models() -> Iterator[None]:
     if _HOOKS is None:
         _HOOKS = (torch.nn.modules.module.register_module_forward_pre_hook(_before_call),
                   torch.nn.modules.module.register_module_forward_hook(_after_call))
-    _OPEN += 1
+    # A loader's receiver thread (cp_core.prefetch.CPLoader with num_workers=0) opens steps
+    # while the training thread runs its own: ``+=`` on a global is not atomic across threads.
+    with _OPEN_LOCK:
+        _OPEN += 1
     try:
         yield
     finally:
-        _OPEN -= 1
+        with _OPEN_LOCK:
+            _OPEN -= 1
 
 
 #: The process-wide hook handles (registered at the first step) and the open steps' count.
 _HOOKS: tuple[Any, Any] | None = None
 _OPEN = 0
+_OPEN_LOCK = threading.Lock()
 
 
 def _plan_for(module: torch.nn.Module) -> tuple[AttentionPlan | None, Any]:
