@@ -185,17 +185,31 @@ class AttnRectangles:
         qlen = qe - qs
         t = self.types[sl]
         rows = np.clip(x.reshape(-1, 1) - qs, 0, qlen)  # rows of the rectangle below x
-        # causal: row r sees max(0, r + c) keys, c = klen - qlen + 1.
+        # A block of one kind (every document-causal mask: all causal) needs only its own
+        # formula: each is a few passes over the [len(x), rectangles] grid.
+        one = int(t[0]) if t.size and (t == t[0]).all() else None
         c = klen - qlen + 1
-        first = np.maximum(0, -c)
-        m = np.maximum(0, rows - first)
-        causal = m * (first + c) + m * (m - 1) // 2
-        # inv_causal: row r sees klen - r keys (r < qlen <= ... clipped at 0).
-        mi = np.minimum(rows, klen)
-        inv = mi * klen - mi * (mi - 1) // 2
-        full = rows * klen
-        bi = rows * np.maximum(0, c)
-        return np.select([t == FULL, t == CAUSAL, t == INV_CAUSAL], [full, causal, inv], bi)
+        parts = []
+        for kind in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):
+            if one is not None and kind != one:
+                continue
+            if kind == FULL:
+                part = rows * klen
+            elif kind == CAUSAL:
+                # causal: row r sees max(0, r + c) keys, c = klen - qlen + 1.
+                first = np.maximum(0, -c)
+                m = np.maximum(0, rows - first)
+                part = m * (first + c) + m * (m - 1) // 2
+            elif kind == INV_CAUSAL:
+                # inv_causal: row r sees klen - r keys (r < qlen <= ... clipped at 0).
+                mi = np.minimum(rows, klen)
+                part = mi * klen - mi * (mi - 1) // 2
+            else:
+                part = rows * np.maximum(0, c)  # bi-causal
+            if one is not None:
+                return part
+            parts.append(part)
+        return np.select([t == FULL, t == CAUSAL, t == INV_CAUSAL], parts[:3], parts[3])
 
     def range_area(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Exact mask area of query rows ``[starts[i], ends[i])`` for each ``i``."""

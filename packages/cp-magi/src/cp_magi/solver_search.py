@@ -132,6 +132,7 @@ def local_search(w: np.ndarray, cp: int, chunk_rank: np.ndarray, target: float,
     ranks = range(cp)
     # Small ranks go straight to the exact repartition (it contains every 1-1 swap).
     exact = 0 < k <= PAIR_EXACT_MAX_PER_RANK
+    integer = w.dtype.kind in "iu"
     half_a: list[np.ndarray | None] = [None] * cp
     half_b: list[np.ndarray | None] = [None] * cp
     for _ in range(max_iters):
@@ -161,7 +162,11 @@ def local_search(w: np.ndarray, cp: int, chunk_rank: np.ndarray, target: float,
                     move = _pair_move(w, members[a], members[b], la, loads[b], deep)
                 if move is not None:
                     _, members[a], members[b] = move
-                    loads[a], loads[b] = w[members[a]].sum().item(), w[members[b]].sum().item()
+                    loads[a] = w[members[a]].sum().item()
+                    # Integer loads are exact: the pair's total is unchanged by the move.
+                    # Float loads are re-summed so they round as a fresh sum would.
+                    loads[b] = (la + loads[b] - loads[a] if integer
+                                else w[members[b]].sum().item())
                     half_a[a] = half_a[b] = half_b[a] = half_b[b] = None
                     moved = True
                     break
