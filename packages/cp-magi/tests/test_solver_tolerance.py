@@ -36,9 +36,14 @@ def test_the_shard_solves_at_the_configured_tolerance(tol):
     assert plan.assignment.loads.max() <= plan.assignment.lower_bound * (1 + tol) or tol < 1e-3
 
 
-def test_default_is_the_strict_tolerance():
-    strict = _plan(None).assignment
-    assert np.array_equal(strict.rank_chunks, _plan(1e-5).assignment.rank_chunks)
+def test_default_tolerance_is_1e_4():
+    default = _plan(None).assignment
+    assert np.array_equal(default.rank_chunks, _plan(1e-4).assignment.rank_chunks)
+    assert default.loads.max() <= default.lower_bound * (1 + 1e-4)
+
+
+def test_a_loose_tolerance_is_visible():
+    strict = _plan(1e-5).assignment
     # On this batch the loose tolerance stops earlier, so the knob is visible at all.
     loose = _plan(0.05).assignment
     assert not np.array_equal(strict.rank_chunks, loose.rank_chunks)

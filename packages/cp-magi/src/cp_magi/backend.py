@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from cp_core.backend_api import Backend, ContextParallelSharder, FlatStreamConfig, ShardOptions
+from cp_magi.chunking import DEFAULT_SOLVER_TOLERANCE
 from cp_magi.magi_kernels import check_magi_mode
 from cp_magi.sharder import check_chunk_size, shard_batch_magi
 
@@ -27,7 +28,7 @@ class MagiConfig(FlatStreamConfig):
     split_tolerance: float = Field(1e-3, gt=0)
     """Cut chunks until the floor (best max/mean work any assignment of the chunks reaches) is
     at most 1 + this."""
-    solver_tolerance: float = Field(1e-5, gt=0, lt=1)
+    solver_tolerance: float = Field(DEFAULT_SOLVER_TOLERANCE, gt=0, lt=1)
     """The best solver stops once the busiest rank's work is within this relative distance of
     the lower bound. Larger trades balance for host time per step (at 128K tokens, cp=8:
     1e-4 roughly halves the solve, at about 1e-4 more imbalance)."""
