@@ -45,6 +45,7 @@ from cp_magi.locality.lean import lean, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
 from cp_magi.locality.stones import place_stones
+from cp_magi.locality.sweep import sweep
 from cp_magi.locality.units import Part, Units
 
 #: Anchor groups: (share of the tolerance the slices may use, sand fraction).
@@ -56,6 +57,8 @@ PACK_GRID = 8
 #: busiest rank (on the stream taken as one row): the goal line; searching on past it costs
 #: host time for a little less traffic (cp 4 held-out rows: 0.73x at a third of the time).
 EARLY = 0.8
+#: Search on past a balanced sweep that receives no more than round_robin (module docstring).
+SEARCH = False
 
 Holding = dict[int, list[Part]]
 
@@ -209,8 +212,14 @@ def _lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[
     return got
 
 
-def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
-    """The placement of ``units`` on ``cp`` ranks (module docstring)."""
+def _sweep(units: Units, cp: int, t: int, tolerance: float) -> list[Holding]:
+    return sweep(units, cp, t, tolerance / 2)
+
+
+def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH) -> Placement:
+    """The placement of ``units`` on ``cp`` ranks (module docstring). ``search``: when the
+    sweep is balanced and receives no more than round_robin, keep searching for less
+    (host time for traffic); otherwise the sweep is the answer."""
     if units.stream_len % cp:
         raise ValueError(f"stream of {units.stream_len} slots does not split over cp={cp}")
     t = units.stream_len // cp
@@ -225,12 +234,14 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
     tries += [partial(_attempt, units, cp, t, mean, tolerance, share, fraction)
               for share, fraction in ATTEMPTS]
     tries.insert(0, partial(_lean, units, cp, t, mean, tolerance))
+    tries.insert(0, partial(_sweep, units, cp, t, tolerance))
     # No layout with equal shares receives less than this (causal: the holder of a unit's
     # last row receives every row of it that it does not hold): reaching it ends the search.
     least = floor if units.model.graded else 0
     # A balanced placement receiving at most this share of round_robin's busiest ends the
     # search too: the rest would cost host time for rows already well below the reference.
-    enough = max(least, EARLY * round_robin_recv(units, cp))
+    rr = round_robin_recv(units, cp)
+    enough = max(least, EARLY * rr if search else rr)
     best = None
     for run in tries + [partial(_fallback, units, cp, t)]:
         if best is not None and not best[0][0] and (run.func is _fallback
@@ -246,8 +257,8 @@ def solve(units: Units, cp: int, tolerance: float = 0.01) -> Placement:
         balanced = worst <= 1.0 + tolerance
         key = (not balanced, float(recv.max()) if balanced else worst)
         if best is None or key < best[0]:
-            method = {_packed: "pack", _attempt: "groups", _lean: "direct"}.get(run.func,
-                                                                               "dispatch")
+            method = {_packed: "pack", _attempt: "groups", _lean: "direct",
+                      _sweep: "sweep"}.get(run.func, "dispatch")
             best = (key, holdings, work, recv, method)
     assert best is not None
     _, holdings, work, recv, method = best

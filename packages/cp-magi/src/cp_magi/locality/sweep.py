@@ -1,0 +1,307 @@
+"""The two-ended sweep: every rank takes a run of the densest and a run of the lightest rows.
+
+All rows of the stream are laid on one line, units by decreasing work per token (the free
+slots, which carry no work, last), each unit's rows *outside in* (``0, L-1, 1, L-2, ...``):
+any run of a unit's rows on the line is a head and a tail of it (or a middle), so a piece of
+a causal unit carries about the unit's mean density and its holder receives only the rows
+between its head and its tail. Rank ``r`` then takes the next ``d_r`` rows from the dense end
+and the next ``T - d_r`` from the light end, with ``d_r`` the count whose work is nearest
+what the ranks still need per rank (the work grows with ``d_r``: a bisection over
+cumulative sums). Since what is left always has the mean density, the lightest ``T`` rows
+carry at most and the densest ``T`` at least the mean, so every rank lands within one row's
+work of its goal.
+
+A unit is cut only where a rank's run ends: at most two cuts per rank, whole units
+everywhere else. Long units sit at the dense end and are shared by consecutive ranks, each
+holding a head and a tail of them; short units at the light end stay whole. One pass over
+the units (numpy) and ``cp`` bisections: no search.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cp_magi.locality.bins import FREE
+from cp_magi.locality.units import Part, Units
+
+Holding = dict[int, list[Part]]
+
+
+class Line:
+    """The units on one line (module docstring) with cumulative tokens and work."""
+
+    def __init__(self, units: Units) -> None:
+        self.units = units
+        n = units.lengths.size
+        free = units.free
+        lengths = np.concatenate([units.lengths, free[:, 1] - free[:, 0]]).astype(np.int64)
+        work = np.concatenate([units.work, np.zeros(len(free), np.int64)]).astype(np.int64)
+        ids = np.concatenate([np.arange(n), -1 - np.arange(len(free))]).astype(np.int64)
+        keep = lengths > 0
+        lengths, work, ids = lengths[keep], work[keep], ids[keep]
+        density = work / np.maximum(lengths, 1)
+        order = np.lexsort((np.arange(ids.size), -density))
+        self.ids = ids[order]
+        self.lengths = lengths[order]
+        self.work = work[order]
+        self.ct = np.concatenate(([0], np.cumsum(self.lengths)))
+        self.cw = np.concatenate(([0], np.cumsum(self.work)))
+
+    @property
+    def tokens(self) -> int:
+        """Rows on the line."""
+        return int(self.ct[-1])
+
+    def _prefix(self, i: int, n: int) -> int:
+        """Work of the first ``n`` rows (outside in) of the ``i``-th unit on the line."""
+        u = int(self.ids[i])
+        if u < 0 or n <= 0:
+            return 0
+        length = int(self.lengths[i])
+        if n >= length:
+            return int(self.work[i])
+        heads, tails = (n + 1) // 2, n // 2
+        model = self.units.model
+        return model.work(length, 0, heads) + model.work(length, length - tails, length)
+
+    def upto(self, x: int) -> int:
+        """Work of the first ``x`` rows of the line."""
+        if x <= 0:
+            return 0
+        if x >= self.tokens:
+            return int(self.cw[-1])
+        i = int(np.searchsorted(self.ct, x, side="right")) - 1
+        return int(self.cw[i]) + self._prefix(i, x - int(self.ct[i]))
+
+    def parts(self, x: int, y: int) -> list[tuple[int, int, int]]:
+        """``(unit or FREE, lo, hi)`` pieces of line rows ``[x, y)``: unit rows relative to
+        the unit, free slots as stream ranges."""
+        out: list[tuple[int, int, int]] = []
+        if y <= x:
+            return out
+        i0 = int(np.searchsorted(self.ct, x, side="right")) - 1
+        i1 = int(np.searchsorted(self.ct, y, side="left"))
+        for i in range(i0, i1):
+            c0 = int(self.ct[i])
+            s, e = max(x, c0) - c0, min(y, int(self.ct[i + 1])) - c0
+            u, length = int(self.ids[i]), int(self.lengths[i])
+            if u < 0:
+                a = int(self.units.free[-1 - u, 0])
+                out.append((FREE, a + s, a + e))
+                continue
+            # Heads: even line places q -> row q/2; tails: odd q -> row L-1-(q-1)/2.
+            h0, h1 = (s + 1) // 2, (e + 1) // 2
+            t0, t1 = s // 2, e // 2
+            if h1 > h0:
+                out.append((u, h0, h1))
+            if t1 > t0:
+                out.append((u, length - t1, length - t0))
+        return out
+
+
+def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
+    """Every rank's holdings by the two-ended sweep (module docstring). A rank's work may be
+    off its goal by ``slack`` of it where that lets one of its runs end on a unit's edge
+    (a unit not cut there receives nothing for it)."""
+    line = Line(units)
+    if line.tokens != cp * t:
+        raise ValueError("the line does not hold cp * T rows")
+    lo_end, hi_end = 0, line.tokens
+    left_work = float(line.cw[-1])
+    out: list[Holding] = []
+    for r in range(cp):
+        if r == cp - 1:
+            d = hi_end - lo_end
+        else:
+            d = _count(line, lo_end, hi_end, t, left_work / (cp - r), slack)
+        held: Holding = {}
+        for u, a, b in line.parts(lo_end, lo_end + d) + line.parts(hi_end - (t - d), hi_end):
+            held.setdefault(u, []).append((a, b))
+        got = line.upto(lo_end + d) - line.upto(lo_end) + line.upto(hi_end) - \
+            line.upto(hi_end - (t - d))
+        left_work -= got
+        lo_end, hi_end = lo_end + d, hi_end - (t - d)
+        for u in held:
+            held[u] = _merged(held[u])
+        out.append(held)
+    out = rings(units, out)
+    return two_holders(units, out) if units.model.graded else out
+
+
+def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float) -> int:
+    """Rows ``d`` one rank takes from the dense end (the rest of ``t`` from the light end):
+    the count nearest ``goal``, or, within ``slack`` of it, one that ends a run on a unit's
+    edge (the cheaper cut)."""
+    base_d, base_l = line.upto(lo_end), line.upto(hi_end)
+
+    def work(d: int) -> int:
+        return line.upto(lo_end + d) - base_d + base_l - line.upto(hi_end - (t - d))
+
+    lo, hi = 0, t
+    if work(hi) <= goal:
+        lo = hi
+    elif work(lo) < goal:
+        while hi - lo > 1:
+            m = (lo + hi) // 2
+            if work(m) <= goal:
+                lo = m
+            else:
+                hi = m
+        lo = min((lo, hi), key=lambda x: abs(work(x) - goal))
+    best = lo
+    # Edges near the two ends of the runs: the unit edges before and after each.
+    cands = {best}
+    for x, sign in ((lo_end + best, 1), (hi_end - (t - best), -1)):
+        i = int(np.searchsorted(line.ct, x, side="right")) - 1
+        for edge in line.ct[max(i - 1, 0):i + 3].tolist():
+            d = edge - lo_end if sign > 0 else t - (hi_end - edge)
+            if 0 <= d <= t and lo_end + d <= hi_end - (t - d):
+                cands.add(int(d))
+    ok = [d for d in cands if abs(work(d) - goal) <= slack * goal]
+    if not ok:
+        return best
+    return min(ok, key=lambda d: (_cut_cost(line, lo_end + d) + _cut_cost(line, hi_end - (t - d)),
+                                  abs(work(d) - goal), d))
+
+
+def _cut_cost(line: Line, x: int) -> int:
+    """Rows the cut at line place ``x`` costs at least (the smaller side of the unit)."""
+    i = int(np.searchsorted(line.ct, x, side="right")) - 1
+    if i >= line.ids.size or int(line.ct[i]) == x or line.ids[i] < 0:
+        return 0
+    s = x - int(line.ct[i])
+    return min(s, int(line.lengths[i]) - s)
+
+
+def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
+    """Every unit held by several ranks cut again into nested rings, the outermost (the one
+    with the unit's last row) to the rank holding most of it, the next to the next, with
+    every rank's row count kept. A ring is a head and a tail of the same size (within a
+    row), so its work per row is the unit's (causal: exactly ``(L + 1) / 2``) wherever it
+    lies and the balance stays; what moves is who receives: the holder of the ring at depth
+    ``x`` receives ``L - x - own``, least for the largest holder outside."""
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for r, held in enumerate(holdings):
+        for u, parts in held.items():
+            if u != FREE:
+                holders.setdefault(u, []).append((r, sum(b - a for a, b in parts)))
+    out = [dict(h) for h in holdings]
+    for u, got in holders.items():
+        if len(got) < 2:
+            continue
+        length = int(units.lengths[u])
+        front, back = 0, length
+        ranked = sorted(got, key=lambda x: (-x[1], x[0]))
+        for i, (r, own) in enumerate(ranked):
+            if i == len(ranked) - 1:
+                heads, tails = back - front, 0
+            else:
+                heads, tails = (own + 1) // 2, own // 2
+            parts = [p for p in ((front, front + heads), (back - tails, back)) if p[1] > p[0]]
+            out[r][u] = _merged(parts)
+            front, back = front + heads, back - tails
+    return out
+
+
+def two_holders(units: Units, holdings: list[Holding]) -> list[Holding]:
+    """A causal unit held by two ranks, cut again so that the busier of the two receives
+    less: the holder of the last row (head ``[0, a)`` and tail ``[L - b, L)``) hands whole
+    units of its other material to the other holder and takes as many more of this unit's
+    rows, the two cuts ``a`` and ``b`` set so that its work stays what it was (the head rows
+    it gains are light), and the other holds the middle ``[a, L - b)`` (receiving ``a``).
+    Token counts and work of both ranks stay; of the hand-overs (none, the largest unit,
+    the two largest, ...), the one with the smaller busier rank is kept."""
+    model = units.model
+    holders: dict[int, list[int]] = {}
+    for r, held in enumerate(holdings):
+        for u in held:
+            if u != FREE:
+                holders.setdefault(u, []).append(r)
+    out = [dict(h) for h in holdings]
+    whole_owner: dict[int, int] = {}
+    for u, rs in holders.items():
+        if len(rs) == 1 and out[rs[0]][u] == [(0, int(units.lengths[u]))]:
+            whole_owner[u] = rs[0]
+
+    def recv_of(held: Holding) -> int:
+        return sum(model.recv(int(units.lengths[v]), ps) for v, ps in held.items() if v != FREE)
+
+    for u, rs in sorted(holders.items()):
+        if len(rs) != 2:
+            continue
+        length = int(units.lengths[u])
+        outer = [r for r in rs if max(b for _, b in out[r][u]) == length]
+        if len(outer) != 1:
+            continue
+        a_r = outer[0]
+        b_r = rs[0] if rs[1] == a_r else rs[1]
+        a_parts = out[a_r][u]
+        n_a = sum(b - a for a, b in a_parts)
+        goal = sum(model.work(length, a, b) for a, b in a_parts)
+        movable = sorted((v for v in out[a_r] if whole_owner.get(v) == a_r),
+                         key=lambda v: (-int(units.lengths[v]), v))
+        rest_a = recv_of({v: p for v, p in out[a_r].items() if v != u})
+        rest_b = recv_of({v: p for v, p in out[b_r].items() if v != u})
+        best = (max(rest_a + model.recv(length, a_parts),
+                    rest_b + model.recv(length, out[b_r][u])), 0, None)
+        moved_t = moved_w = 0
+        for i in range(len(movable) + 1):
+            if i:
+                v = movable[i - 1]
+                moved_t += int(units.lengths[v])
+                moved_w += int(units.work[v])
+            n = n_a + moved_t
+            if n >= length:
+                break
+            cut = _head_tail(model, length, n, goal + moved_w)
+            if cut is None:
+                continue
+            h, t = cut
+            mine = [p for p in ((0, h), (length - t, length)) if p[1] > p[0]]
+            worst = max(rest_a + model.recv(length, mine),
+                        rest_b + model.recv(length, [(h, length - t)]))
+            if worst < best[0]:
+                best = (worst, i, (h, t))
+        if best[2] is None:
+            continue
+        _, i, (h, t) = best
+        for v in movable[:i]:
+            out[b_r][v] = out[a_r].pop(v)
+            whole_owner[v] = b_r
+        out[a_r][u] = _merged([p for p in ((0, h), (length - t, length)) if p[1] > p[0]])
+        out[b_r][u] = [(h, length - t)]
+    return out
+
+
+def _head_tail(model, length: int, n: int, goal: float) -> tuple[int, int] | None:
+    """``(a, b)`` with ``a + b = n`` whose head ``[0, a)`` and tail ``[L - b, L)`` carry
+    work nearest ``goal`` (the work grows with ``b``), or None when out of reach by more
+    than one row."""
+    def work(b: int) -> int:
+        return model.work(length, 0, n - b) + model.work(length, length - b, length)
+
+    lo, hi = 0, n
+    if work(lo) > goal + length or work(hi) < goal - length:
+        return None
+    while hi - lo > 1:
+        m = (lo + hi) // 2
+        if work(m) <= goal:
+            lo = m
+        else:
+            hi = m
+    b = min((lo, hi), key=lambda x: abs(work(x) - goal))
+    return n - b, b
+
+
+def _merged(parts: list[Part]) -> list[Part]:
+    """Disjoint parts sorted, touching ones joined."""
+    out: list[Part] = []
+    for a, b in sorted(parts):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+__all__ = ["Line", "sweep"]
