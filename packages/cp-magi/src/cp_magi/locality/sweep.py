@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from cp_magi.locality.bins import FREE
+from cp_magi.locality.expand import reshape
 from cp_magi.locality.units import Part, Units
 
 Holding = dict[int, list[Part]]
@@ -125,7 +126,10 @@ def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
             held[u] = _merged(held[u])
         out.append(held)
     out = rings(units, out)
-    return two_holders(units, out) if units.model.graded else out
+    if not units.model.graded:
+        return out
+    mean = float(line.cw[-1]) / cp
+    return outer_heavy(units, out, mean * (1 + 2 * slack))
 
 
 def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float) -> int:
@@ -203,14 +207,13 @@ def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
     return out
 
 
-def two_holders(units: Units, holdings: list[Holding]) -> list[Holding]:
-    """A causal unit held by two ranks, cut again so that the busier of the two receives
-    less: the holder of the last row (head ``[0, a)`` and tail ``[L - b, L)``) hands whole
-    units of its other material to the other holder and takes as many more of this unit's
-    rows, the two cuts ``a`` and ``b`` set so that its work stays what it was (the head rows
-    it gains are light), and the other holds the middle ``[a, L - b)`` (receiving ``a``).
-    Token counts and work of both ranks stay; of the hand-overs (none, the largest unit,
-    the two largest, ...), the one with the smaller busier rank is kept."""
+def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holding]:
+    """A causal unit held by several ranks, cut again so that the holder of its last row
+    holds more of it: that rank hands whole units of its other material to the unit's
+    other holders and takes as many more of this unit's rows, the head-tail cuts set front
+    to back so that every holder's work stays what it was (the head rows the outer holder
+    gains are light; :func:`cp_magi.locality.expand.reshape`). Token counts stay; a
+    hand-over is kept when it lowers the busiest of these ranks and no rank passes ``cap``."""
     model = units.model
     holders: dict[int, list[int]] = {}
     for r, held in enumerate(holdings):
@@ -218,79 +221,71 @@ def two_holders(units: Units, holdings: list[Holding]) -> list[Holding]:
             if u != FREE:
                 holders.setdefault(u, []).append(r)
     out = [dict(h) for h in holdings]
-    whole_owner: dict[int, int] = {}
-    for u, rs in holders.items():
-        if len(rs) == 1 and out[rs[0]][u] == [(0, int(units.lengths[u]))]:
-            whole_owner[u] = rs[0]
+    whole: dict[int, int] = {u: rs[0] for u, rs in holders.items()
+                             if len(rs) == 1 and out[rs[0]][u] == [(0, int(units.lengths[u]))]}
 
-    def recv_of(held: Holding) -> int:
-        return sum(model.recv(int(units.lengths[v]), ps) for v, ps in held.items() if v != FREE)
+    def recv_of(held: Holding, skip: int) -> int:
+        return sum(model.recv(int(units.lengths[v]), ps) for v, ps in held.items()
+                   if v != FREE and v != skip)
 
-    for u, rs in sorted(holders.items()):
-        if len(rs) != 2:
+    def work_of(held: Holding, skip: int) -> int:
+        return sum(model.work(int(units.lengths[v]), a, b) for v, ps in held.items()
+                   if v != FREE and v != skip for a, b in ps)
+
+    for u, rs in sorted(holders.items(), key=lambda x: (-int(units.lengths[x[0]]), x[0])):
+        if len(rs) < 2:
             continue
         length = int(units.lengths[u])
-        outer = [r for r in rs if max(b for _, b in out[r][u]) == length]
-        if len(outer) != 1:
+        # Front to back: the outer holder (most rows) first, as the rings cut them.
+        rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
+        tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
+        goals = [float(sum(model.work(length, a, b) for a, b in out[r][u])) for r in rs]
+        other_w = [work_of(out[r], u) for r in rs]
+        other_r = [recv_of(out[r], u) for r in rs]
+
+        def score(tok: list[int], gl: list[float], ow: list[int], orr: list[int]
+                  ) -> tuple[float, list] | None:
+            shapes = reshape(length, tok, gl)
+            worst = 0.0
+            for i, parts in enumerate(shapes):
+                if ow[i] + sum(model.work(length, a, b) for a, b in parts) > cap:
+                    return None
+                worst = max(worst, orr[i] + model.recv(length, list(parts)))
+            return worst, shapes
+
+        first = score(tokens, goals, other_w, other_r)
+        if first is None:
             continue
-        a_r = outer[0]
-        b_r = rs[0] if rs[1] == a_r else rs[1]
-        a_parts = out[a_r][u]
-        n_a = sum(b - a for a, b in a_parts)
-        goal = sum(model.work(length, a, b) for a, b in a_parts)
-        movable = sorted((v for v in out[a_r] if whole_owner.get(v) == a_r),
+        best, shapes = first
+        moved: list[tuple[int, int]] = []
+        movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
                          key=lambda v: (-int(units.lengths[v]), v))
-        rest_a = recv_of({v: p for v, p in out[a_r].items() if v != u})
-        rest_b = recv_of({v: p for v, p in out[b_r].items() if v != u})
-        best = (max(rest_a + model.recv(length, a_parts),
-                    rest_b + model.recv(length, out[b_r][u])), 0, None)
-        moved_t = moved_w = 0
-        for i in range(len(movable) + 1):
-            if i:
-                v = movable[i - 1]
-                moved_t += int(units.lengths[v])
-                moved_w += int(units.work[v])
-            n = n_a + moved_t
-            if n >= length:
-                break
-            cut = _head_tail(model, length, n, goal + moved_w)
-            if cut is None:
+        for v in movable:
+            n, w = int(units.lengths[v]), int(units.work[v])
+            j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
+            if tokens[j] <= n:
                 continue
-            h, t = cut
-            mine = [p for p in ((0, h), (length - t, length)) if p[1] > p[0]]
-            worst = max(rest_a + model.recv(length, mine),
-                        rest_b + model.recv(length, [(h, length - t)]))
-            if worst < best[0]:
-                best = (worst, i, (h, t))
-        if best[2] is None:
-            continue
-        _, i, (h, t) = best
-        for v in movable[:i]:
-            out[b_r][v] = out[a_r].pop(v)
-            whole_owner[v] = b_r
-        out[a_r][u] = _merged([p for p in ((0, h), (length - t, length)) if p[1] > p[0]])
-        out[b_r][u] = [(h, length - t)]
+            tok, gl = list(tokens), list(goals)
+            ow, orr = list(other_w), list(other_r)
+            tok[0] += n; tok[j] -= n
+            gl[0] += w; gl[j] -= w
+            ow[0] -= w; ow[j] += w
+            got = score(tok, gl, ow, orr)
+            if got is None or got[0] >= best:
+                continue
+            best, shapes = got
+            tokens, goals, other_w = tok, gl, ow
+            moved.append((v, j))
+        for v, j in moved:
+            out[rs[j]][v] = out[rs[0]].pop(v)
+            whole[v] = rs[j]
+        for i, r in enumerate(rs):
+            parts = [p for p in shapes[i] if p[1] > p[0]]
+            if parts:
+                out[r][u] = _merged(list(parts))
+            else:
+                out[r].pop(u, None)
     return out
-
-
-def _head_tail(model, length: int, n: int, goal: float) -> tuple[int, int] | None:
-    """``(a, b)`` with ``a + b = n`` whose head ``[0, a)`` and tail ``[L - b, L)`` carry
-    work nearest ``goal`` (the work grows with ``b``), or None when out of reach by more
-    than one row."""
-    def work(b: int) -> int:
-        return model.work(length, 0, n - b) + model.work(length, length - b, length)
-
-    lo, hi = 0, n
-    if work(lo) > goal + length or work(hi) < goal - length:
-        return None
-    while hi - lo > 1:
-        m = (lo + hi) // 2
-        if work(m) <= goal:
-            lo = m
-        else:
-            hi = m
-    b = min((lo, hi), key=lambda x: abs(work(x) - goal))
-    return n - b, b
 
 
 def _merged(parts: list[Part]) -> list[Part]:
@@ -304,4 +299,4 @@ def _merged(parts: list[Part]) -> list[Part]:
     return out
 
 
-__all__ = ["Line", "sweep"]
+__all__ = ["Line", "sweep", "rings", "outer_heavy"]
