@@ -19,6 +19,8 @@ the units (numpy) and ``cp`` bisections: no search.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 from cp_magi.locality.bins import FREE
@@ -47,6 +49,11 @@ class Line:
         self.work = work[order]
         self.ct = np.concatenate(([0], np.cumsum(self.lengths)))
         self.cw = np.concatenate(([0], np.cumsum(self.work)))
+        # Plain lists for the scalar look-ups of the bisections (numpy's per-call cost is
+        # most of a look-up's time).
+        self._ct, self._cw = self.ct.tolist(), self.cw.tolist()
+        self._ids, self._len, self._work = (self.ids.tolist(), self.lengths.tolist(),
+                                            self.work.tolist())
 
     @property
     def tokens(self) -> int:
@@ -55,12 +62,12 @@ class Line:
 
     def _prefix(self, i: int, n: int) -> int:
         """Work of the first ``n`` rows (outside in) of the ``i``-th unit on the line."""
-        u = int(self.ids[i])
+        u = self._ids[i]
         if u < 0 or n <= 0:
             return 0
-        length = int(self.lengths[i])
+        length = self._len[i]
         if n >= length:
-            return int(self.work[i])
+            return self._work[i]
         heads, tails = (n + 1) // 2, n // 2
         model = self.units.model
         return model.work(length, 0, heads) + model.work(length, length - tails, length)
@@ -69,10 +76,10 @@ class Line:
         """Work of the first ``x`` rows of the line."""
         if x <= 0:
             return 0
-        if x >= self.tokens:
-            return int(self.cw[-1])
-        i = int(np.searchsorted(self.ct, x, side="right")) - 1
-        return int(self.cw[i]) + self._prefix(i, x - int(self.ct[i]))
+        if x >= self._ct[-1]:
+            return self._cw[-1]
+        i = bisect_right(self._ct, x) - 1
+        return self._cw[i] + self._prefix(i, x - self._ct[i])
 
     def parts(self, x: int, y: int) -> list[tuple[int, int, int]]:
         """``(unit or FREE, lo, hi)`` pieces of line rows ``[x, y)``: unit rows relative to
