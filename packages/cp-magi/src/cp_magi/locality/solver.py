@@ -1,10 +1,13 @@
 """The locality placement: long units sliced over few ranks, everything else whole, balanced.
 
 :func:`solve` minimises the key rows the busiest rank receives subject to attention work
-max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank. It tries the direct
-construction (:mod:`cp_magi.locality.lean`: one pass over the units) first, then two
-searched constructions, and keeps, of the balanced placements, the one whose busiest rank
-receives least:
+max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank. It tries the two-ended
+sweep (:mod:`cp_magi.locality.sweep`: one pass over the units, numpy cumulative sums and
+``cp`` bisections) first: a balanced sweep whose busiest rank receives no more than
+round_robin's on the same stream is the answer (host time near magi's; ``search=True``
+searches on below that, down to :data:`EARLY` of round_robin). Otherwise the direct
+construction (:mod:`cp_magi.locality.lean`: one pass over the units), then two searched
+constructions, and of the balanced placements the one whose busiest rank receives least:
 
 * *packing* (:mod:`cp_magi.locality.pack`): units by decreasing work onto the ranks, whole
   where they fit, sliced graded head-tail where they must, no slice's rank above a bound
@@ -73,7 +76,8 @@ class Placement:
         recv: ``[cp]`` key rows every rank receives (the kind model's count).
         split_units: units not held whole by one rank.
         tokens_per_rank: ``T``.
-        method: what found it: ``direct`` (:mod:`cp_magi.locality.lean`), ``pack``
+        method: what found it: ``sweep`` (:mod:`cp_magi.locality.sweep`), ``direct``
+            (:mod:`cp_magi.locality.lean`), ``pack``
             (rank-level packing), ``groups`` (an anchor's ranks as one bin) or ``dispatch``
             (the equal-chunk fallback).
     """
