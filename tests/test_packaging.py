@@ -80,18 +80,45 @@ def test_every_package_has_a_wheel_with_its_entry_points(wheelhouse: Path) -> No
             assert any(n.endswith(".dist-info/licenses/LICENSE") for n in zf.namelist()), folder
 
 
+@pytest.fixture(scope="module")
+def resolve_env(tmp_path_factory: pytest.TempPathFactory, fresh_env_factory: Any) -> FreshEnv:
+    """An empty environment for ``pip install --dry-run``: a dry run installs nothing, so
+    every extra resolves against the same empty environment."""
+    return fresh_env_factory(tmp_path_factory.mktemp("resolve") / "venv")
+
+
+@pytest.fixture(scope="module")
+def te_env(tmp_path_factory: pytest.TempPathFactory, fresh_env_factory: Any) -> FreshEnv:
+    """``cp-te`` installed alone (which brings ``cp-core``), then ``cp-core[te]`` (nothing
+    left to add): the one environment both hold, shared by the te tests below."""
+    env = fresh_env_factory(tmp_path_factory.mktemp("te") / "venv")
+    env.pip_install("cp-te")
+    env.pip_install("cp-core[te]")
+    return env
+
+
+def _installed_cp(env: FreshEnv) -> set[str]:
+    """The ``cp-*`` distributions installed in ``env``."""
+    code = ("import importlib.metadata as md; "
+            "print(sorted({d.metadata['Name'] for d in md.distributions()}))")
+    names = eval(env.run("python", "-c", code).stdout.strip().splitlines()[-1])
+    return {n for n in names if n.startswith("cp-")}
+
+
 @pytest.mark.parametrize("extra", ["te", "magi", "blockdiag", "all"])
-def test_extra_resolves_to_its_backend_packages(fresh_env: FreshEnv, extra: str) -> None:
-    report = fresh_env.root / "report.json"
-    fresh_env.pip_install("--dry-run", "--report", str(report),
-                          f"cp-core[{extra}]")
+def test_extra_resolves_to_its_backend_packages(resolve_env: FreshEnv, extra: str) -> None:
+    report = resolve_env.root / f"report-{extra}.json"
+    resolve_env.pip_install("--dry-run", "--report", str(report),
+                            f"cp-core[{extra}]")
+    assert _installed_cp(resolve_env) == set(), "a dry run installed something"
     names = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
     wanted = {dist for dist, _ in EXTRAS.values()} if extra == "all" else {EXTRAS[extra][0]}
     assert {n for n in names if n.startswith("cp-")} == {"cp-core", *wanted}
 
 
-def test_te_extra_in_a_fresh_environment(fresh_env: FreshEnv) -> None:
-    fresh_env.pip_install("cp-core[te]")
+def test_te_extra_in_a_fresh_environment(te_env: FreshEnv) -> None:
+    fresh_env = te_env
+    assert _installed_cp(fresh_env) == {"cp-core", "cp-te"}
     out = _probe(fresh_env, ["te_thd", "magi"])
     assert "te_thd" in out["available"] and "magi" not in out["available"]
     assert {"identity", "contiguous", "round_robin", "aux_only"} <= set(out["available"])
@@ -112,9 +139,15 @@ def test_te_extra_in_a_fresh_environment(fresh_env: FreshEnv) -> None:
 
 
 @pytest.mark.parametrize("folder", MEMBERS, ids=[m.name for m in MEMBERS])
-def test_package_installs_alone_and_passes_its_tests(fresh_env: FreshEnv, folder: Path) -> None:
+def test_package_installs_alone_and_passes_its_tests(request: pytest.FixtureRequest,
+                                                    folder: Path) -> None:
     dist = project_name(folder)
-    fresh_env.pip_install(dist)
+    if dist == "cp-te":  # te_env installed cp-te alone first; cp-core[te] added nothing
+        fresh_env = request.getfixturevalue("te_env")
+    else:
+        fresh_env = request.getfixturevalue("fresh_env")
+        fresh_env.pip_install(dist)
+    assert _installed_cp(fresh_env) == {"cp-core", dist}
     where = fresh_env.run("python", "-c", "import cp_core; print(cp_core.__file__)").stdout
     assert str(fresh_env.root) in where, f"cp_core imported from outside the fresh env: {where}"
     others = {d for d, _ in EXTRAS.values()} - {dist}

@@ -4,10 +4,14 @@ ids that exercise pad at row starts and ends, holes, pad-only rows and hole-free
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from cp_te.stream import segments_from_document_ids
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from thd_segments_truth import segments_from_document_ids  # noqa: E402
 
 
 def random_ids(rng: np.random.Generator, rows: int, seq: int, *, holes: bool, pad: bool

@@ -21,10 +21,11 @@ import torch
 from cp_core.backend_api import thd_document_divisor
 from cp_te.local_slots import HostStream, all_rank_runs, local_slots
 from cp_te.partition import partition_rank_runs
-from cp_te.stream import ThdStream, segments_from_document_ids
+from cp_te.stream import ThdStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_host_batches import random_ids  # noqa: E402
+from thd_segments_truth import segments_from_document_ids  # noqa: E402
 
 CPS = (1, 2, 3, 8)
 

@@ -8,12 +8,18 @@ first appears in its row; pad is every 0), not by the library's resolver.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from cp_core.batch.doc_runs import DocRuns
-from cp_te.stream import segments_from_doc_runs, segments_from_document_ids
+from cp_te.stream import segments_from_doc_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from thd_segments_truth import segments_from_document_ids  # noqa: E402
 
 
 def _random_ids(rng: np.random.Generator, bsz: int, seq: int) -> torch.Tensor:

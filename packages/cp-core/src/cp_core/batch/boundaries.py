@@ -4,7 +4,7 @@ Parses the list keys (``seq_lens``/``seq_lens_padded``, ``cu_seqlens``/``cu_seql
 for :func:`cp_core.batch.documents.resolve_documents`, the one resolver of documents, through
 *segments*: a packed row is tiled by segments, one document's tokens followed by the pad the
 caller put after it (``span = length + caller pad``), in row-major order. THD layouts build
-their segments from the resolved ids (``cp_te.stream.segments_from_document_ids``).
+their segments from the resolved documents' runs (``cp_te.stream.segments_from_doc_runs``).
 
 * ``seq_lens`` (+ optional ``seq_lens_padded``): per-row lengths ``[B, D]`` padded with a
   sentinel (default -1000);
