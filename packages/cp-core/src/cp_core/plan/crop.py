@@ -56,9 +56,8 @@ def crop(rects: BandRects, queries: RunTable, keys: RunTable) -> Boxes:
 
 
 def _crop_rows(rows: np.ndarray, queries: RunTable, keys: RunTable) -> Boxes:
-    b, qs, qe, ks, ke, dlo, dhi = (rows[:, i] for i in range(7))
-    item, qr = overlaps(qs, qe, queries)
-    b, qs, qe, ks, ke, dlo, dhi = (x[item] for x in (b, qs, qe, ks, ke, dlo, dhi))
+    item, qr = overlaps(rows[:, 1], rows[:, 2], queries)
+    b, qs, qe, ks, ke, dlo, dhi = rows[item].T  # one gather of every column
     a = np.maximum(qs, queries.start[qr])
     e = np.minimum(qe, queries.end[qr])
     # Keys this query range can reach at all, so runs outside the band are never visited.
@@ -74,8 +73,9 @@ def _crop_rows(rows: np.ndarray, queries: RunTable, keys: RunTable) -> Boxes:
     k0 = np.maximum(c, q0 + dlo)
     k1 = np.minimum(f, q1 + dhi)
     keep = (dlo <= dhi) & (c < f) & (q0 < q1) & (k0 < k1)
-    b, q0, q1, k0, k1, dlo, dhi, qr, kr = (x[keep] for x in (b, q0, q1, k0, k1, dlo, dhi,
-                                                             qr, kr))
+    if not keep.all():  # usually every crop is kept: no nine selections then
+        b, q0, q1, k0, k1, dlo, dhi, qr, kr = (x[keep] for x in (b, q0, q1, k0, k1, dlo, dhi,
+                                                                 qr, kr))
     dhi = np.where(q0 + dhi >= k1 - 1, INF, dhi)  # even the first row sees the last key
     dlo = np.where(q1 - 1 + dlo <= k0, -INF, dlo)  # even the last row sees the first key
     qoff = queries.local[qr] - queries.start[qr]
@@ -119,9 +119,9 @@ def ranges_by_owner(owner: np.ndarray, start: np.ndarray, end: np.ndarray
         return {}
     cut = np.flatnonzero(owner[1:] != owner[:-1]) + 1
     bounds = [0, *cut.tolist(), owner.size]
-    starts, ends = start.tolist(), end.tolist()
-    return {int(owner[a]): list(zip(starts[a:b], ends[a:b]))
-            for a, b in zip(bounds[:-1], bounds[1:])}
+    pairs = list(zip(start.tolist(), end.tolist()))
+    firsts = owner[bounds[:-1]].tolist()
+    return {o: pairs[a:b] for o, a, b in zip(firsts, bounds[:-1], bounds[1:])}
 
 
 #: Columns of a piece row: the fields of :class:`~cp_core.plan.pieces.Piece` in order.
@@ -196,9 +196,9 @@ def _merge_runs(rows: np.ndarray, same: tuple[int, ...], lo: int, hi: int) -> np
     if rows.shape[0] < 2:
         return rows
     rows = rows[np.lexsort(tuple(rows[:, c] for c in (lo, *reversed(same))))]
-    cont = np.ones(rows.shape[0] - 1, bool)
-    for c in same:
-        cont &= rows[1:, c] == rows[:-1, c]
+    # One comparison of whole neighbouring rows, then the ``same`` columns of it: a few
+    # array calls instead of three per column.
+    cont = ~(rows[1:] != rows[:-1])[:, same].any(axis=1)
     cont &= rows[1:, lo] == rows[:-1, hi]
     start = np.concatenate(([True], ~cont))
     out = rows[start]
@@ -215,10 +215,11 @@ def merge_full_rows(rows: np.ndarray) -> np.ndarray:
     return np.concatenate((rows[~full], merged))
 
 
-def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.ndarray
-                ) -> np.ndarray:
+def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.ndarray,
+                keep: int | None = None) -> np.ndarray:
     """:func:`~cp_core.plan.pieces.to_buffer_coords` on piece rows of any sources at
-    once: source ``s``'s needed ranges are the ``(owner == s)`` entries, in order."""
+    once: source ``s``'s needed ranges are the ``(owner == s)`` entries, in order. Rows of
+    source ``keep`` (this rank's own keys, read in place) are left as they are."""
     lens = end - start
     # Offset of each range in its owner's buffer: the lengths of that owner's earlier ranges.
     csum = np.cumsum(lens) - lens
@@ -229,6 +230,8 @@ def buffer_rows(rows: np.ndarray, owner: np.ndarray, start: np.ndarray, end: np.
     i = np.searchsorted(owner * big + start, rows[:, _SRC] * big + rows[:, _K0],
                         side="right") - 1
     shift = offsets[i] - start[i]
+    if keep is not None:
+        shift[rows[:, _SRC] == keep] = 0
     out = rows.copy()
     out[:, _K0] += shift
     out[:, _K1] += shift
@@ -309,12 +312,13 @@ def _many_pieces(mine: Boxes, rank: int, r_owner: np.ndarray, r_start: np.ndarra
                  r_end: np.ndarray) -> tuple[list[Piece], dict[int, list[Piece]]]:
     """This rank's local pieces, and per source its pieces in receive-buffer coordinates."""
     rows = piece_rows(mine)
-    is_local = rows[:, _SRC] == rank
     # Remote pieces are merged in buffer coordinates only: ranges that touch on the owner
-    # touch in the buffer too, and ranges that were apart there sit back to back.
-    remote = merge_full_rows(buffer_rows(rows[~is_local], r_owner, r_start, r_end))
-    local = _as_pieces(merge_full_rows(rows[is_local]))
-    return local, pieces_by_src(remote)
+    # touch in the buffer too, and ranges that were apart there sit back to back. Local and
+    # remote rows are merged, sorted and converted in one pass each: the merge keys and the
+    # grouping include the source, so no row of one ever joins or reorders the other.
+    merged = merge_full_rows(buffer_rows(rows, r_owner, r_start, r_end, keep=rank))
+    by_src = pieces_by_src(merged)
+    return by_src.pop(rank, []), by_src
 
 
 def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
