@@ -219,3 +219,33 @@ def test_run_table_lists_every_rank_run_with_its_local_row():
         got = list(zip(table.start.tolist(), table.end.tolist(), table.local.tolist(),
                        table.owner.tolist()))
         assert got == want, trial
+
+
+def _union_by_owner(owner, lo, hi):
+    # Truth: the positions each owner's ranges cover, as maximal runs (touching ranges are one).
+    covered: dict[int, set[int]] = {}
+    for o, a, b in zip(owner, lo, hi):
+        covered.setdefault(int(o), set()).update(range(int(a), int(b)))
+    out = {}
+    for o in sorted(covered):
+        runs: list[tuple[int, int]] = []
+        for p in sorted(covered[o]):
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        out[o] = runs
+    return out
+
+
+def test_merged_ranges_both_ways_are_the_union_of_each_owners_ranges():
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        n = int(rng.integers(0, 40))
+        owner = rng.integers(0, 5, n)
+        lo = rng.integers(0, 60, n)
+        hi = lo + rng.integers(1, 12, n)
+        want = _union_by_owner(owner, lo, hi)
+        assert crop.merged_ranges_few(owner, lo, hi) == want, trial
+        assert crop.merged_ranges(owner, lo, hi) == want, trial
+        assert list(crop.merged_ranges_few(owner, lo, hi)) == sorted(want), trial

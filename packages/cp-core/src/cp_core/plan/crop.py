@@ -124,6 +124,25 @@ def ranges_by_owner(owner: np.ndarray, start: np.ndarray, end: np.ndarray
     return {o: pairs[a:b] for o, a, b in zip(firsts, bounds[:-1], bounds[1:])}
 
 
+def merged_ranges_few(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                      ) -> dict[int, list[tuple[int, int]]]:
+    """:func:`merged_ranges` in Python, for a handful of ranges (a head-tail layout's crops):
+    below a few dozen, one sort of tuples costs less than numpy's dozen array calls."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    # Sorted by (owner, start): owners come out ascending, as ranges_by_owner gives them;
+    # ties in start order by end, which leaves each union unchanged.
+    for o, a, b in sorted(zip(owner.tolist(), lo.tolist(), hi.tolist())):
+        got = out.get(o)
+        if got is None:
+            out[o] = [(a, b)]
+        elif a <= got[-1][1]:  # overlaps or touches the union so far: extend it
+            if b > got[-1][1]:
+                got[-1] = (got[-1][0], b)
+        else:
+            got.append((a, b))
+    return out
+
+
 #: Columns of a piece row: the fields of :class:`~cp_core.plan.pieces.Piece` in order.
 _B, _Q0, _Q1, _SRC, _K0, _K1, _KIND, _DLO, _DHI = range(9)
 
@@ -329,13 +348,15 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     holds."""
     size = runs.size
     mine, theirs = _both_passes(rects, runs, rank)
-    r_owner, r_start, r_end = merged_arrays(mine.k_owner, mine.k0, mine.k1)
-    recv = ranges_by_owner(r_owner, r_start, r_end)
     if mine.b.size <= _FEW_BOXES:
+        recv = merged_ranges_few(mine.k_owner, mine.k0, mine.k1)
         local, by_src = _few_pieces(mine, rank, recv)
     else:
+        r_owner, r_start, r_end = merged_arrays(mine.k_owner, mine.k0, mine.k1)
+        recv = ranges_by_owner(r_owner, r_start, r_end)
         local, by_src = _many_pieces(mine, rank, r_owner, r_start, r_end)
-    send = merged_ranges(*theirs)
+    send = merged_ranges_few(*theirs) if theirs[0].size <= _FEW_BOXES else \
+        merged_ranges(*theirs)
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
@@ -346,5 +367,5 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
 
 
 __all__ = ["Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
-           "ranges_by_owner", "piece_rows",
+           "merged_ranges_few", "ranges_by_owner", "piece_rows",
            "pieces_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
