@@ -1,0 +1,86 @@
+"""Host cost of a few backends on one form of one row, timed alone (no other backend's
+shards between them), interleaved with the Megatron-style floor.
+
+``python tools/bench/host_alone.py round_robin,te_thd,magi --form _packed_seq_ids+position_ids
+--seed 4321``: the row of ``run.py host`` at 1x131072 (same seed), rank 0 of cp=8, one thread,
+process CPU time of shard + entering/leaving the context, median after warm-up. Prints a table;
+``--profile`` adds a cProfile of each backend (by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from backends import make_sharder
+from bench_host import CP, host_specs, megatron_floor
+from host_batch import FORMS, batch_forms, build_from_spec, clone_batch
+
+
+def time_alone(names: list[str], form: str, seed: int, repeats: int, warmup: int
+               ) -> dict[str, float]:
+    """Median seconds per case (``names`` and ``"floor"``), one of each in turn per repeat."""
+    batch = batch_forms(build_from_spec(host_specs(False, seed)[0]))[form]
+    sharders = {n: make_sharder(n, CP) for n in names}
+    samples: dict[str, list[float]] = {n: [] for n in [*names, "floor"]}
+
+    def once(n: str) -> float:
+        b = clone_batch(batch)
+        t0 = time.process_time()
+        if n == "floor":
+            megatron_floor(b)
+        else:
+            factory, _ = sharders[n].shard(b)
+            with factory():
+                pass
+        return time.process_time() - t0
+
+    for i in range(warmup + repeats):
+        for n in samples:
+            dt = once(n)
+            if i >= warmup:
+                samples[n].append(dt)
+    return {n: statistics.median(xs) for n, xs in samples.items()}
+
+
+def main() -> None:
+    """Parse the arguments, time the cases, print the table (and profiles on request)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("backends", help="comma-separated backend names")
+    ap.add_argument("--form", default="_packed_seq_ids+position_ids", choices=FORMS)
+    ap.add_argument("--seed", type=int, default=4321)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    names = args.backends.split(",")
+    med = time_alone(names, args.form, args.seed, args.repeats, args.warmup)
+    floor = med["floor"]
+    print(f"form={args.form} seed={args.seed} floor={floor * 1e3:.3f} ms (median of "
+          f"{args.repeats}, process CPU time)")
+    for n in names:
+        print(f"  {n:>12}: {med[n] * 1e3:8.3f} ms  {med[n] / floor:7.2f}x the floor")
+    if args.profile:
+        batch = batch_forms(build_from_spec(host_specs(False, args.seed)[0]))[args.form]
+        for n in names:
+            sharder = make_sharder(n, CP)
+            prof = cProfile.Profile()
+            for _ in range(10):
+                b = clone_batch(batch)
+                prof.enable()
+                factory, _ = sharder.shard(b)
+                with factory():
+                    pass
+                prof.disable()
+            print(f"--- {n}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
