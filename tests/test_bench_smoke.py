@@ -198,3 +198,16 @@ def test_transport_usp_quick(tmp_path: Path) -> None:
             # Independent of the plan: the all-to-alls alone send (u-1)/u of q, k, v and the
             # output (8 + 4 + 4 + 8 heads of dim 64, fp32) of the rank's 1024/cp tokens.
             assert min(r["sent_bytes"]) >= (2 - 1) / 2 * (1024 // 4) * 24 * 64 * 4, r
+
+
+def test_host_alone_runs_and_prints_each_case() -> None:
+    script = ROOT / "tools" / "bench" / "host_alone.py"
+    proc = subprocess.run([sys.executable, str(script), "round_robin,contiguous", "--repeats",
+                           "1", "--warmup", "0", "--form", "cu_seqlens"], capture_output=True,
+                          text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("form=cu_seqlens seed=4321 floor=")
+    for name in ("round_robin", "contiguous"):
+        row = next(line for line in lines if line.strip().startswith(f"{name}:"))
+        assert float(row.split()[1]) > 0 and row.endswith("x the floor")
