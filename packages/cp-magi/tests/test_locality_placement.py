@@ -167,11 +167,53 @@ def test_same_batch_same_layout() -> None:
 
 
 def test_config_is_validated() -> None:
-    """The tolerance must be in (0, 1) and unknown keys are refused, naming the key."""
-    for bad in ({"tolerance": 0}, {"tolerance": 1.5}, {"tolerence": 0.1}):
+    """The tolerance must be in (0, 1), the effort quick or full, and unknown keys are
+    refused, naming the key."""
+    for bad in ({"tolerance": 0}, {"tolerance": 1.5}, {"tolerence": 0.1}, {"effort": "slow"}):
         with pytest.raises(CPConfigError) as err:
             build_sharder({"backend": "locality", "size": 2, **bad}, SimulatedCPMesh(0, 2))
         assert next(iter(bad)) in str(err.value)
+
+
+@pytest.mark.parametrize("cp", [4, 8, 16])
+def test_full_effort_never_receives_more_than_quick(cp: int) -> None:
+    """``effort="full"`` searches on from where ``quick`` stops: on the same rows both are
+    exact and balanced partitions, and full's busiest rank never receives more than quick's
+    (on some of these rows it receives less, so the search did run)."""
+    from cp_magi.locality.solver import solve
+    from cp_magi.locality.units import build_units
+
+    t = 256
+    fewer = 0
+    for seed in range(6):
+        lengths = packed_rows(1, t * cp, 40 + seed, cap_fraction=0.25)[0]
+        ends = np.cumsum(lengths)
+        units = build_units(np.stack([ends - np.asarray(lengths), ends], axis=1), t * cp,
+                            kind_model("causal", None))
+        quick, full = solve(units, cp), solve(units, cp, effort="full")
+        for got in (quick, full):
+            starts = np.concatenate(got.runs.starts)
+            sizes = np.concatenate(got.runs.lengths)
+            covered = np.zeros(t * cp, np.int64)
+            for s, n in zip(starts.tolist(), sizes.tolist()):
+                covered[s:s + n] += 1
+            assert covered.tolist() == [1] * (t * cp)
+            assert [int(n.sum()) for n in got.runs.lengths] == [t] * cp
+            assert got.balance <= 1.01
+        assert full.recv.max() <= quick.recv.max(), (seed, full.recv, quick.recv)
+        fewer += int(full.recv.max() < quick.recv.max())
+    if cp == 8:
+        assert fewer > 0
+
+
+def test_effort_is_checked_by_the_solver() -> None:
+    """An unknown effort is refused by name, not taken as quick."""
+    from cp_magi.locality.solver import solve
+    from cp_magi.locality.units import build_units
+
+    units = build_units(np.asarray([[0, 64]]), 64, kind_model("causal", None))
+    with pytest.raises(ValueError, match="effort='slow'"):
+        solve(units, 2, effort="slow")
 
 
 @pytest.mark.parametrize("cp", [4, 8])

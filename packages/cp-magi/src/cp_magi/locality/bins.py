@@ -18,6 +18,7 @@ that lowers the larger excess most, until no bin is above ``slack`` or nothing h
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,34 +89,38 @@ class SandLine:
                             len(self.pieces))
         self.ct = np.concatenate(([0], np.cumsum(lens)))
         self.cw = np.concatenate(([0], np.cumsum(works)))
+        # Plain lists for the scalar look-ups (numpy's per-call cost is most of a look-up's
+        # time; level() makes thousands of them).
+        self._ct: list[int] = self.ct.tolist()
+        self._cw: list[int] = self.cw.tolist()
 
     @property
     def tokens(self) -> int:
         """Tokens of all the pieces."""
-        return int(self.ct[-1])
+        return self._ct[-1]
 
     def dense(self, n: int) -> int:
         """Work of the ``n`` densest tokens (of a cut piece, the shorter share is its first
         rows: the holder of the later rows receives the earlier ones)."""
-        i = int(np.searchsorted(self.ct, n, side="right")) - 1
+        i = bisect_right(self._ct, n) - 1
         if i >= len(self.pieces):
-            return int(self.cw[-1])
+            return self._cw[-1]
         u, a, b = self.pieces[i]
-        k = n - int(self.ct[i])
+        k = n - self._ct[i]
         lo, hi = _share(a, b, k)
-        return int(self.cw[i]) + work_of(self.units, u, lo, hi)
+        return self._cw[i] + work_of(self.units, u, lo, hi)
 
     def light(self, n: int) -> int:
         """Work of the ``n`` lightest tokens (a cut piece: the same rule as :meth:`dense`)."""
         if n <= 0:
             return 0
         start = self.tokens - n
-        i = int(np.searchsorted(self.ct, start, side="right")) - 1
+        i = bisect_right(self._ct, start) - 1
         if i >= len(self.pieces):
             return 0
         u, a, b = self.pieces[i]
-        lo, hi = _share(a, b, int(self.ct[i + 1]) - start)
-        return int(self.cw[-1] - self.cw[i + 1]) + work_of(self.units, u, lo, hi)
+        lo, hi = _share(a, b, self._ct[i + 1] - start)
+        return self._cw[-1] - self._cw[i + 1] + work_of(self.units, u, lo, hi)
 
     def split(self, tau: int, goal: float) -> tuple[int, int]:
         """``(d, work)``: ``d`` densest and ``tau - d`` lightest tokens with work nearest

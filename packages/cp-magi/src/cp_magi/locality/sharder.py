@@ -47,19 +47,21 @@ def tokens_per_rank(stream_len: int, cp: int, multiple: int) -> int:
 
 def place_stream(spans: np.ndarray, stream_len: int, cp: int, *, multiple: int = 1,
                  attention: str = "causal", window: int | None = None,
-                 chunk: int | None = None, tolerance: float = 0.01) -> Placement:
+                 chunk: int | None = None, tolerance: float = 0.01,
+                 effort: str = "quick") -> Placement:
     """The placement of documents ``spans`` (``[n, 2]`` stream ranges, ascending) of a stream
-    of ``stream_len`` tokens on ``cp`` ranks (host only: what every rank computes)."""
+    of ``stream_len`` tokens on ``cp`` ranks (host only: what every rank computes);
+    ``effort`` as :func:`cp_magi.locality.solver.solve`."""
     t = tokens_per_rank(stream_len, cp, multiple)
     units = build_units(spans, cp * t, kind_model(attention, window),
                         chunk=chunk if attention == "chunked" else None)
-    return solve(units, cp, tolerance)
+    return solve(units, cp, tolerance, effort=effort)
 
 
 def shard_batch_locality(
     cp_mesh: Any, tp_mesh: Any, batch: Mapping[str, Any], loss_mask: torch.Tensor | None = None,
     padding_token_id: int | None = None, *, options: ShardOptions | None = None,
-    tolerance: float = 0.01, **shard_options: Any,
+    tolerance: float = 0.01, effort: str = "quick", **shard_options: Any,
 ) -> ShardResult:
     """Shard a packed batch with the locality placement (module docstring).
 
@@ -75,7 +77,7 @@ def shard_batch_locality(
     spans = document_spans(docs, nb.seq_len)
     placement = place_stream(spans, stream_len, size, multiple=multiple,
                              attention=opts.attention, window=opts.window, chunk=opts.chunk,
-                             tolerance=tolerance)
+                             tolerance=tolerance, effort=effort)
     padded = per_rank_divisor(size, placement.tokens_per_rank)
     rank_runs = placement.runs
     local = rank_runs.local_indices(rank, nb.primary.device)
