@@ -252,14 +252,18 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
         other_w = [work_of(out[r], u) for r in rs]
         other_r = [recv_of(out[r], u) for r in rs]
 
-        def score(tok: list[int], gl: list[float], ow: list[int], orr: list[int]
-                  ) -> tuple[float, list] | None:
+        def score(tok: list[int], gl: list[float], ow: list[int], orr: list[int],
+                  beat: float = float("inf")) -> tuple[float, list] | None:
+            """The busiest holder's rows and the shapes, or None when a holder passes
+            ``cap`` or the busiest is no better than ``beat`` (either way not taken)."""
             shapes = reshape(length, tok, gl)
             worst = 0.0
             for i, parts in enumerate(shapes):
                 if ow[i] + sum(model.work(length, a, b) for a, b in parts) > cap:
                     return None
-                worst = max(worst, orr[i] + model.recv(length, list(parts)))
+                worst = max(worst, orr[i] + model.recv(length, parts))
+                if worst >= beat:
+                    return None
             return worst, shapes
 
         first = score(tokens, goals, other_w, other_r)
@@ -279,8 +283,8 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
             tok[0] += n; tok[j] -= n
             gl[0] += w; gl[j] -= w
             ow[0] -= w; ow[j] += w
-            got = score(tok, gl, ow, orr)
-            if got is None or got[0] >= best:
+            got = score(tok, gl, ow, orr, best)
+            if got is None:
                 continue
             best, shapes = got
             tokens, goals, other_w = tok, gl, ow

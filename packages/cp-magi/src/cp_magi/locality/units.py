@@ -59,12 +59,14 @@ class KindModel:
         """Key rows a holder of ``parts`` (disjoint, relative) receives."""
         if not parts:
             return 0
-        own = sum(b - a for a, b in parts)
-        if self.kind == "bidirectional":
-            return length - own
         if self.kind == "sliding_window":
             return _window_need(parts, int(self.window or 1))
-        return max(b for _, b in parts) - own
+        own, top = 0, 0
+        for a, b in parts:  # one loop: this runs thousands of times per placement
+            own += b - a
+            if b > top:
+                top = b
+        return length - own if self.kind == "bidirectional" else top - own
 
     @property
     def graded(self) -> bool:
