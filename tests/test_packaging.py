@@ -162,7 +162,8 @@ def test_package_installs_alone_and_matches_the_workspace(request: pytest.Fixtur
     _check_installed_files(fresh_env, folder)
     tests = [str(folder / "tests" / t) for t in INSTALLED_TESTS[dist]]
     fresh_env.run("python", "-m", "pytest", *tests, "-q", "-x", "-m", "not multirank",
-                  "-p", "no:cacheprovider", cwd=fresh_env.root, timeout=600)
+                  "-k", INSTALLED_SKIP, "-p", "no:cacheprovider", cwd=fresh_env.root,
+                  timeout=600)
 
 
 #: The tests each package runs against its installed wheel: those that read package data,
@@ -175,6 +176,10 @@ INSTALLED_TESTS = {
     "cp-magi": ["test_locality_conformance.py", "test_solver_tolerance.py"],
     "cp-blockdiag": ["test_batch.py", "test_runtime_route.py"],
 }
+#: Left out of the installed runs (the workspace runs them on the same bytes): the contract's
+#: largest CP size and the position-only model's bitwise gather, which exercise the layout
+#: (not the install) and build the largest fixtures.
+INSTALLED_SKIP = "not position_only and not cp8"
 
 _FILES = """
 import hashlib, importlib, json, pathlib, sys
