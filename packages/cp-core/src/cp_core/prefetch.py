@@ -17,6 +17,7 @@ the two threads take turns and the process's CPU time per step is what it was.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import sys
@@ -30,6 +31,9 @@ _ITEM, _END, _ERROR = "item", "end", "error"
 #: How long the training thread waits for a batch before it checks that the receiver is alive
 #: (a receiver that died without a word would otherwise leave it waiting forever).
 _ALIVE_CHECK_S = 5.0
+#: At interpreter exit, how long to wait for each open pass's receiver to stop (it finishes
+#: the batch it is receiving; a loader whose workers are gone raises within its own checks).
+_EXIT_JOIN_S = 30.0
 
 
 def _receive(source: Iterable[Any], out: "queue.Queue[tuple[str, Any]]",
@@ -76,6 +80,7 @@ class PrefetchIterator(Generic[T]):
             target=_receive, args=(source, self._queue, self._stop, prefetch + 2),
             name="cp-loader-receiver", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def __iter__(self) -> "PrefetchIterator[T]":
         return self
@@ -99,8 +104,9 @@ class PrefetchIterator(Generic[T]):
             raise value
         raise StopIteration
 
-    def close(self) -> None:
-        """Stop receiving and wait for the receiver thread to end (idempotent)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop receiving and wait for the receiver thread to end (idempotent); ``timeout``
+        bounds the wait (None: until it ends)."""
         self._done = True
         self._stop.set()
         if threading.current_thread() is self._thread:
@@ -108,7 +114,7 @@ class PrefetchIterator(Generic[T]):
         # Emptying the queue frees a receiver blocked on a full one; it sees the stop after
         # its next put (at most one, and the queue has room for it).
         self._drain()
-        self._thread.join()
+        self._thread.join(timeout)
         self._drain()
 
     def _drain(self) -> None:
@@ -128,6 +134,27 @@ class PrefetchIterator(Generic[T]):
             self.close()
         except Exception:  # noqa: BLE001 - nothing left to stop
             pass
+
+
+#: Every pass not yet garbage collected, for the stop at interpreter exit.
+_OPEN: "weakref.WeakSet[PrefetchIterator[Any]]" = weakref.WeakSet()
+
+
+def _close_open_passes() -> None:
+    """Stop every open pass while the interpreter is still whole. A receiver left running
+    into the interpreter's teardown can be inside torch's C++ code (receiving a tensor) when
+    torch's globals are destroyed, which aborts the process (exit code 134) after a script
+    that ended normally. The receivers are stopped first, then each is waited for."""
+    passes = list(_OPEN)
+    for p in passes:
+        p._stop.set()
+    for p in passes:
+        p.close(timeout=_EXIT_JOIN_S)
+
+
+# Registered after torch's and multiprocessing's own exit handlers (imported before this
+# module), so it runs before them: the loader's workers are still there to finish a batch.
+atexit.register(_close_open_passes)
 
 
 class CPLoader(Generic[T]):
