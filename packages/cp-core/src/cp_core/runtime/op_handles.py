@@ -47,9 +47,13 @@ def binding_handle(binding: Binding) -> torch.Tensor:
     if handle is None:
         value = next(_next_handle)
         # A step entered under inference mode must still hand compiled training a normal
-        # tensor (an inference tensor cannot be saved for backward).
-        with torch.inference_mode(False):
-            handle = torch.tensor(value, dtype=torch.int64)
+        # tensor (an inference tensor cannot be saved for backward). scalar_tensor, and the
+        # mode switch only when needed: this runs on the training thread once per step.
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                handle = torch.scalar_tensor(value, dtype=torch.int64)
+        else:
+            handle = torch.scalar_tensor(value, dtype=torch.int64)
         _bindings[value] = binding
         weakref.finalize(handle, _bindings.pop, value, None)
         _handles[binding] = weakref.ref(handle)
