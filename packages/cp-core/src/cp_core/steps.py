@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -65,12 +65,7 @@ class ShardStep:
         """The step's context. ``modules``: a module or list of modules (e.g. the decoder,
         ``model.model.language_model``); only their attention calls are served, every other
         one runs untouched. Positional arguments go to the backend's factory."""
-        return self._context(args, StepScope.of(modules, self._rows, self))
-
-    @contextlib.contextmanager
-    def _context(self, args: tuple[Any, ...], scope: StepScope) -> Iterator[Any]:
-        with scoped(scope), self._factory(*args) as value:
-            yield value
+        return _StepContext(self._factory, args, StepScope.of(modules, self._rows, self))
 
     def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1,
                            fill: float | int | None = None) -> torch.Tensor:
@@ -83,6 +78,34 @@ class ShardStep:
         """``sharder.gather_token_tensor`` with this step's layout."""
         return self._sharder.gather_token_tensor(tensor, seq_dim, trim, fill, grad_mode,
                                                  layout=self._layout)
+
+
+class _StepContext:
+    """A step's block: ``scope`` current, then the backend factory's context entered inside
+    it; left in the reverse order, also when the body or the factory raises. A plain class,
+    not a generator: every step enters it."""
+
+    __slots__ = ("_factory", "_args", "_scope", "_inner")
+
+    def __init__(self, factory: Callable[..., Any], args: tuple[Any, ...],
+                 scope: StepScope) -> None:
+        self._factory, self._args = factory, args
+        self._scope = scoped(scope)
+
+    def __enter__(self) -> Any:
+        self._scope.__enter__()
+        try:
+            self._inner = self._factory(*self._args)
+            return self._inner.__enter__()
+        except BaseException:
+            self._scope.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool | None:
+        try:
+            return self._inner.__exit__(et, ev, tb)
+        finally:
+            self._scope.__exit__(None, None, None)
 
 
 class StepTracker:

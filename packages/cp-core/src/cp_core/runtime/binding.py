@@ -16,10 +16,9 @@ checkpointing recomputes) cannot be proven to belong to that block's forward and
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -109,18 +108,14 @@ def recomputing(binding: Binding, form: str) -> Binding:
     return Binding(binding.plan, binding.scope, form, graph_task(), binding.served)
 
 
-@contextlib.contextmanager
-def bound(binding: Binding) -> Iterator[Binding]:
+def bound(binding: Binding) -> ContextManager[Binding]:
     """Inside the block ``binding`` is this thread's innermost binding."""
-    with _bindings.pushed(binding):
-        yield binding
+    return _bindings.pushed(binding)
 
 
-@contextlib.contextmanager
-def scoped(scope: StepScope) -> Iterator[StepScope]:
+def scoped(scope: StepScope) -> ContextManager[StepScope]:
     """Plans activated inside the block are bound with ``scope``."""
-    with _scopes.pushed(scope):
-        yield scope
+    return _scopes.pushed(scope)
 
 
 __all__ = ["StepScope", "Binding", "graph_task", "current", "for_plan", "recomputing", "bound",

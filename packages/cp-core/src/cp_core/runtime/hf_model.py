@@ -19,11 +19,10 @@ scale is 1 for every token and nothing changes.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -71,8 +70,7 @@ def note_attention_call(plan: AttentionPlan) -> None:
     plan.cache[_CALLS] = plan.cache.get(_CALLS, 0) + 1
 
 
-@contextlib.contextmanager
-def watch_models() -> Iterator[None]:
+class watch_models:  # noqa: N801 - used as a function: ``with watch_models():``
     """Inside the block, a model (a module with a ``config``) called under a plan is checked
     before it runs and after:
 
@@ -85,21 +83,25 @@ def watch_models() -> Iterator[None]:
     Only modules inside the step's module scope (``ctx(modules=...)``) are checked: outside it
     attention runs untouched. Two global forward hooks; a module without ``config`` costs one
     attribute lookup while a step is open, one integer test otherwise."""
-    # The two hooks are registered once and stay: registering them per step would change
-    # torch's global hook table every step, and compiled code guards on that table (a
-    # recompile per step). Outside every step, and while torch.compile traces, they return
-    # at once (a compiled model is checked by the eager path of its first step).
-    global _HOOKS, _OPEN
-    if _HOOKS is None:
-        _HOOKS = (torch.nn.modules.module.register_module_forward_pre_hook(_before_call),
-                  torch.nn.modules.module.register_module_forward_hook(_after_call))
-    # A loader's receiver thread (cp_core.prefetch.CPLoader with num_workers=0) opens steps
-    # while the training thread runs its own: ``+=`` on a global is not atomic across threads.
-    with _OPEN_LOCK:
-        _OPEN += 1
-    try:
-        yield
-    finally:
+
+    # A plain class, not a generator: every step enters it.
+    def __enter__(self) -> None:
+        # The two hooks are registered once and stay: registering them per step would change
+        # torch's global hook table every step, and compiled code guards on that table (a
+        # recompile per step). Outside every step, and while torch.compile traces, they
+        # return at once (a compiled model is checked by the eager path of its first step).
+        global _HOOKS, _OPEN
+        if _HOOKS is None:
+            _HOOKS = (torch.nn.modules.module.register_module_forward_pre_hook(_before_call),
+                      torch.nn.modules.module.register_module_forward_hook(_after_call))
+        # A loader's receiver thread (cp_core.prefetch.CPLoader with num_workers=0) opens
+        # steps while the training thread runs its own: ``+=`` on a global is not atomic
+        # across threads.
+        with _OPEN_LOCK:
+            _OPEN += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _OPEN
         with _OPEN_LOCK:
             _OPEN -= 1
 

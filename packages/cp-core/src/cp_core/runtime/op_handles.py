@@ -19,11 +19,9 @@ read as a Python object would recompile the model for every batch. So the custom
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import weakref
-from typing import Iterator
 
 import torch
 
@@ -60,15 +58,22 @@ def binding_handle(binding: Binding) -> torch.Tensor:
     return handle
 
 
-@contextlib.contextmanager
-def published(binding: Binding) -> Iterator[torch.Tensor]:
-    """Inside the block :func:`current_handle` on this thread is ``binding``'s handle."""
-    previous = getattr(_tls, "handle", None)
-    _tls.handle = binding_handle(binding)
-    try:
-        yield _tls.handle
-    finally:
-        _tls.handle = previous
+class published:  # noqa: N801 - used as a function: ``with published(binding):``
+    """Inside the block :func:`current_handle` on this thread is ``binding``'s handle (a
+    plain class, not a generator: every step enters it)."""
+
+    __slots__ = ("_binding", "_previous")
+
+    def __init__(self, binding: Binding) -> None:
+        self._binding = binding
+
+    def __enter__(self) -> torch.Tensor:
+        self._previous = getattr(_tls, "handle", None)
+        _tls.handle = binding_handle(self._binding)
+        return _tls.handle
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.handle = self._previous
 
 
 def current_handle() -> torch.Tensor | None:
