@@ -5,9 +5,11 @@ max/mean <= ``1 + tolerance`` and exactly ``T`` tokens per rank. It tries the tw
 sweep (:mod:`cp_magi.locality.sweep`: one pass over the units, numpy cumulative sums and
 ``cp`` bisections) first: a balanced sweep whose busiest rank receives no more than
 round_robin's on the same stream is the answer (host time near magi's; ``search=True``
-searches on below that, down to :data:`EARLY` of round_robin). Otherwise the direct
-construction (:mod:`cp_magi.locality.lean`: one pass over the units), then two searched
-constructions, and of the balanced placements the one whose busiest rank receives least:
+with ``effort="full"`` searches on below that, down to :data:`EARLY` of round_robin).
+Otherwise the direct construction (:mod:`cp_magi.locality.lean`: one pass over the units);
+with ``effort="quick"`` (the default) the better of the two is the answer when either is
+balanced, and only when neither is, or with ``effort="full"``, two searched constructions
+follow; of the balanced placements the one whose busiest rank receives least wins:
 
 * *packing* (:mod:`cp_magi.locality.pack`): units by decreasing work onto the ranks, whole
   where they fit, sliced graded head-tail where they must, no slice's rank above a bound
@@ -228,9 +230,10 @@ def _sweep(units: Units, cp: int, t: int, tolerance: float) -> list[Holding]:
 
 def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
           effort: str = "quick") -> Placement:
-    """The placement of ``units`` on ``cp`` ranks (module docstring). ``search``: when the
-    sweep is balanced and receives no more than round_robin, keep searching for less
-    (host time for traffic); otherwise the sweep is the answer. ``effort="quick"`` stops
+    """The placement of ``units`` on ``cp`` ranks (module docstring). ``search`` (with
+    ``effort="full"``; quick stops before it matters): when the sweep is balanced and
+    receives no more than round_robin, keep searching for less (host time for traffic);
+    otherwise the sweep is the answer. ``effort="quick"`` stops
     after the first :data:`QUICK_TRIES` constructions once one of them is balanced (the
     searched ones run only when neither is); ``"full"`` tries every construction until one
     receives no more than round_robin."""
