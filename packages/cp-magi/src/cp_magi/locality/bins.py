@@ -93,6 +93,45 @@ class SandLine:
         # time; level() makes thousands of them).
         self._ct: list[int] = self.ct.tolist()
         self._cw: list[int] = self.cw.tolist()
+        self._cols: tuple[np.ndarray, ...] | None = None
+
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        # The pieces as columns, for the look-ups of many counts at once (level()'s ranking);
+        # built on first use: most lines are made for a few scalar look-ups.
+        if self._cols is None:
+            cols = np.array(self.pieces, np.int64).reshape(-1, 3)
+            free = cols[:, 0] == FREE
+            lengths = self.units.lengths[np.where(free, 0, cols[:, 0])] if cols.size \
+                else cols[:, 0]
+            self._cols = (cols[:, 1], cols[:, 2], free, np.where(free, 0, lengths))
+        return self._cols
+
+    def _work_many(self, i: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        _, _, free, lengths = self._columns()
+        return np.where(free[i], 0, self.units.model.work_rows(lengths[i], lo, hi))
+
+    def dense_many(self, n: np.ndarray) -> np.ndarray:
+        """:meth:`dense` of every count of ``n`` (``0 <= n <= tokens``)."""
+        pa, pb, _, _ = self._columns()
+        i = np.searchsorted(self.ct, n, side="right") - 1
+        out = np.full(n.shape, self.cw[-1], np.int64)
+        inside = i < len(self.pieces)
+        ii = i[inside]
+        lo, hi = _share_many(pa[ii], pb[ii], n[inside] - self.ct[ii])
+        out[inside] = self.cw[ii] + self._work_many(ii, lo, hi)
+        return out
+
+    def light_many(self, n: np.ndarray) -> np.ndarray:
+        """:meth:`light` of every count of ``n`` (``0 <= n <= tokens``)."""
+        pa, pb, _, _ = self._columns()
+        out = np.zeros(n.shape, np.int64)
+        start = self.tokens - n
+        i = np.searchsorted(self.ct, start, side="right") - 1
+        use = (n > 0) & (i < len(self.pieces))
+        ii = i[use]
+        lo, hi = _share_many(pa[ii], pb[ii], self.ct[ii + 1] - start[use])
+        out[use] = self.cw[-1] - self.cw[ii + 1] + self._work_many(ii, lo, hi)
+        return out
 
     @property
     def tokens(self) -> int:
@@ -176,6 +215,15 @@ def _share(a: int, b: int, k: int) -> tuple[int, int]:
     return (a, a + k) if k <= (b - a) - k else (b - k, b)
 
 
+def _share_many(a: np.ndarray, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_share` of many ``(a, b, k)`` at once."""
+    first = k <= (b - a) - k
+    none = k <= 0
+    lo = np.where(none | first, a, b - k)
+    hi = np.where(none, a, np.where(first, a + k, b))
+    return lo, hi
+
+
 def pour(bins: Bins, units: Units, sand: list[Piece]) -> None:
     """Fill every bin to its capacity with ``sand`` (module docstring)."""
     line = SandLine(units, sand)
@@ -229,6 +277,79 @@ def level(bins: Bins, units: Units, sand_units: np.ndarray, slack: float,
             return
 
 
+#: Up to this many moves :func:`_ranked_few` ranks them one at a time: below it numpy's
+#: per-call cost is more than the loop's (a bin with a handful of stones).
+_FEW_MOVES = 128
+
+
+def _ranked_few(units: Units, line: SandLine, mine: list[int], theirs: list[int], bins: Bins,
+                a: int, b: int, fw: list[int], ft: list[int], total: int, now: float
+                ) -> list[tuple[int | None, int | None, int, float, int]]:
+    """:func:`_ranked_moves` one move at a time, for a few moves."""
+    moves: list[tuple[int | None, int | None]] = [(None, None)]
+    moves += [(s, None) for s in mine] + [(None, s) for s in theirs]
+    moves += [(s, o) for s in mine for o in theirs]
+    ta, tb = bins.target[a], bins.target[b]
+    ranked = []
+    for sa, sb in moves:
+        dt = (int(units.lengths[sa]) if sa is not None else 0) - \
+            (int(units.lengths[sb]) if sb is not None else 0)
+        dw = (int(units.work[sa]) if sa is not None else 0) - \
+            (int(units.work[sb]) if sb is not None else 0)
+        tau = int(bins.capacity[a]) - (ft[0] - dt)
+        if tau < 0 or tau > line.tokens or line.tokens - tau != \
+                int(bins.capacity[b]) - (ft[1] + dt):
+            continue
+        wa = fw[0] - dw
+        goal = (total - tb + ta) / 2 - wa  # see _ranked_moves
+        got = min(max(goal, line.light(tau)), line.dense(tau))
+        worst = max(wa + got - ta, total - wa - got - tb)
+        if worst < now - 1e-9:
+            ranked.append((worst, len(ranked), sa, sb, tau, goal, wa))
+    return [(sa, sb, tau, goal, wa) for _, _, sa, sb, tau, goal, wa in sorted(ranked)[:3]]
+
+
+def _ranked_moves(units: Units, line: SandLine, mine: list[int], theirs: list[int], bins: Bins,
+                  a: int, b: int, fw: list[int], ft: list[int], total: int, now: float
+                  ) -> list[tuple[int | None, int | None, int, float, int]]:
+    """The (at most three) best moves of :func:`_pair_move` as ``(stone of a, stone of b,
+    tau, goal, wa)``, best first: every move (none; one stone either way; a swap) ranked by
+    its clamped outcome, all at once with arrays (bins with a few dozen stones have hundreds
+    of swaps)."""
+    la, lb = units.lengths[mine].astype(np.int64), units.lengths[theirs].astype(np.int64)
+    wa_, wb_ = units.work[mine].astype(np.int64), units.work[theirs].astype(np.int64)
+    zero = np.zeros(1, np.int64)
+    # The moves in order: none, each stone of a alone, each of b alone, then every swap (a's
+    # stones outer, b's inner); -1 stands for no stone.
+    dt = np.concatenate((zero, la, -lb, (la[:, None] - lb[None, :]).ravel()))
+    dw = np.concatenate((zero, wa_, -wb_, (wa_[:, None] - wb_[None, :]).ravel()))
+    none_a, none_b = np.full(len(theirs), -1), np.full(len(mine), -1)
+    sa = np.concatenate((zero - 1, mine, none_a, np.repeat(mine, len(theirs)))).astype(np.int64)
+    sb = np.concatenate((zero - 1, none_b, theirs, np.tile(theirs, len(mine)))).astype(np.int64)
+    tau = int(bins.capacity[a]) - (ft[0] - dt)
+    ok = (tau >= 0) & (tau <= line.tokens) & \
+        (line.tokens - tau == int(bins.capacity[b]) - (ft[1] + dt))
+    idx = np.flatnonzero(ok)
+    tau, dw = tau[idx], dw[idx]
+    ta, tb = bins.target[a], bins.target[b]
+    wa = fw[0] - dw
+    # Equal excess: wa + x - ta = total - wa - x - tb. The sand work a bin can get lies between
+    # its lightest and its densest tau tokens: rank the moves by that clamp (two look-ups each),
+    # and split exactly only the best few. Same float operations, in the same order, as one
+    # move at a time.
+    goal = (total - tb + ta) / 2 - wa
+    got = np.minimum(np.maximum(goal, line.light_many(tau)), line.dense_many(tau))
+    worst = np.maximum(wa + got - ta, (total - wa) - got - tb)
+    keep = np.flatnonzero(worst < now - 1e-9)
+    top = keep[np.lexsort((keep, worst[keep]))[:3]]
+    out = []
+    for j in top.tolist():
+        i = int(idx[j])
+        out.append((None if sa[i] < 0 else int(sa[i]), None if sb[i] < 0 else int(sb[i]),
+                    int(tau[j]), goal[j], int(wa[j])))
+    return out
+
+
 def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int], a: int,
                b: int) -> bool:
     """The best stone move or swap between bins ``a`` and ``b`` with their sand poured again
@@ -243,30 +364,10 @@ def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int],
     total = fw[0] + fw[1] + int(line.cw[-1])
     now = max(bins.work[a] - ta, bins.work[b] - tb)
     mine, theirs = (_stones_of(bins, x, units, sand, owners) for x in (a, b))
-    moves: list[tuple[int | None, int | None]] = [(None, None)]
-    moves += [(s, None) for s in mine] + [(None, s) for s in theirs]
-    moves += [(s, o) for s in mine for o in theirs]
-    ranked = []
-    for sa, sb in moves:
-        dt = (int(units.lengths[sa]) if sa is not None else 0) - \
-            (int(units.lengths[sb]) if sb is not None else 0)
-        dw = (int(units.work[sa]) if sa is not None else 0) - \
-            (int(units.work[sb]) if sb is not None else 0)
-        tau = int(bins.capacity[a]) - (ft[0] - dt)
-        if tau < 0 or tau > line.tokens or line.tokens - tau != \
-                int(bins.capacity[b]) - (ft[1] + dt):
-            continue
-        wa = fw[0] - dw
-        # Equal excess: wa + x - ta = total - wa - x - tb. The sand work a bin can get lies
-        # between its lightest and its densest tau tokens: rank the moves by that clamp (two
-        # lookups), and split exactly only the best few.
-        goal = (total - tb + ta) / 2 - wa
-        got = min(max(goal, line.light(tau)), line.dense(tau))
-        worst = max(wa + got - ta, total - wa - got - tb)
-        if worst < now - 1e-9:
-            ranked.append((worst, len(ranked), sa, sb, tau, goal, wa))
+    rank = _ranked_moves if (len(mine) + 1) * (len(theirs) + 1) > _FEW_MOVES else _ranked_few
     best = None
-    for _, _, sa, sb, tau, goal, wa in sorted(ranked)[:3]:
+    for sa, sb, tau, goal, wa in rank(units, line, mine, theirs, bins, a, b, fw, ft, total,
+                                      now):
         d, got = line.split(tau, goal)
         worst = max(wa + got - ta, total - wa - got - tb)
         if worst < now - 1e-9 and (best is None or worst < best[0]):

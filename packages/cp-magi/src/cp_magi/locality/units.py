@@ -55,6 +55,17 @@ class KindModel:
             return np.where(n <= w, n * (n + 1) // 2, w * (w + 1) // 2 + (n - w) * w)
         return n * (n + 1) // 2
 
+    def work_rows(self, lengths: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """:meth:`work` of many row ranges at once (int64 arrays, 0 where ``b <= a``)."""
+        if self.kind == "bidirectional":
+            w = (b - a) * lengths
+        elif self.kind == "sliding_window":
+            win = int(self.window or 1)
+            w = _window_prefixes(b, win) - _window_prefixes(a, win)
+        else:
+            w = (b * (b + 1) - a * (a + 1)) // 2
+        return np.where(b > a, w, 0)
+
     def recv(self, length: int, parts: Sequence[Part]) -> int:
         """Key rows a holder of ``parts`` (disjoint, relative) receives."""
         if not parts:
@@ -80,6 +91,11 @@ def _window_prefix(x: int, w: int) -> int:
     if x <= w:
         return x * (x + 1) // 2
     return w * (w + 1) // 2 + (x - w) * w
+
+
+def _window_prefixes(x: np.ndarray, w: int) -> np.ndarray:
+    """:func:`_window_prefix` of every element of ``x``."""
+    return np.where(x <= w, x * (x + 1) // 2, w * (w + 1) // 2 + (x - w) * w)
 
 
 def _window_need(parts: Sequence[Part], w: int) -> int:
