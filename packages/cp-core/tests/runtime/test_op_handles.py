@@ -101,3 +101,38 @@ def test_module_key_resolves_to_the_module_while_it_lives() -> None:
     del layer
     gc.collect()
     assert oh.module_of(key) is None
+
+
+def test_module_key_is_a_graph_constant_under_fullgraph_compile() -> None:
+    # The flag dynamo reads is set by hand (no import of torch._dynamo at import time): the
+    # call must fold to a constant, so a fullgraph trace through it succeeds and remembers
+    # the module, and the compiled result carries the module's key.
+    import torch._dynamo
+
+    layer = torch.nn.Linear(2, 2)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + float(oh.module_key(layer) % 1000)
+
+    torch._dynamo.reset()
+    out = torch.compile(step, backend=backend, fullgraph=True)(torch.zeros(3))
+    assert len(graphs) == 1
+    assert torch.equal(out, torch.full((3,), float(id(layer) % 1000)))
+    assert oh.module_of(id(layer)) is layer
+    torch._dynamo.reset()
+
+
+def test_importing_the_package_does_not_import_the_compiler() -> None:
+    # ``import cp_core`` stays cheap on hosts that never compile (torch._dynamo costs ~2 s).
+    import subprocess
+    import sys
+
+    code = "import sys, cp_core, cp_core.runtime.op_handles; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"

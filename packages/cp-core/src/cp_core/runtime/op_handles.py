@@ -96,12 +96,17 @@ def binding_of(handle: torch.Tensor) -> Binding:
     return binding
 
 
-@torch.compiler.assume_constant_result
 def _remember(module: torch.nn.Module) -> int:
     """Runs while tracing (its result is a constant of the graph): keeps a weak reference to
     ``module`` under its key for :func:`module_of`."""
     _modules[id(module)] = module
     return 0
+
+
+# What ``torch.compiler.assume_constant_result`` does, without its import of ``torch._dynamo``
+# (about 2 s of every ``import cp_core`` on a CPU host that never compiles): dynamo reads this
+# flag when it meets the call and folds the result into the graph as a constant.
+_remember._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def module_key(module: torch.nn.Module | None) -> int:
