@@ -148,18 +148,19 @@ def test_package_installs_alone_and_matches_the_workspace(request: pytest.Fixtur
         fresh_env = request.getfixturevalue("fresh_env")
         fresh_env.pip_install(dist)
     assert _installed_cp(fresh_env) == {"cp-core", dist}
-    where = fresh_env.run("python", "-c", "import cp_core; print(cp_core.__file__)").stdout
-    assert str(fresh_env.root) in where, f"cp_core imported from outside the fresh env: {where}"
-    others = {d for d, _ in EXTRAS.values()} - {dist}
-    out = _probe(fresh_env, [])
-    provided = {b for d, b in EXTRAS.values() if d in others}
-    assert not provided & set(out["available"]), "another backend package leaked in"
     # The installed package is the workspace's code, file for file: every source and data
     # file of the package is installed with the same bytes, and every module imports there.
     # The workspace run tests that code in full; here only what an install can break is left
     # to catch (a missing file, a package-data rule, an entry point, a path computed from the
     # source tree), so a few of the package's tests run against the wheel, not all of them.
-    _check_installed_files(fresh_env, folder)
+    # One interpreter answers where cp_core comes from, which backends are available and the
+    # file check (each interpreter start imports torch: seconds on a loaded 2-core host).
+    report = _check_installed_files(fresh_env, folder)
+    where = report["cp_core_file"]
+    assert str(fresh_env.root) in where, f"cp_core imported from outside the fresh env: {where}"
+    others = {d for d, _ in EXTRAS.values()} - {dist}
+    provided = {b for d, b in EXTRAS.values() if d in others}
+    assert not provided & set(report["available"]), "another backend package leaked in"
     tests = [str(folder / "tests" / t) for t in INSTALLED_TESTS[dist]]
     fresh_env.run("python", "-m", "pytest", *tests, "-q", "-x", "-m", "not multirank",
                   "-k", INSTALLED_SKIP, "-p", "no:cacheprovider", cwd=fresh_env.root,
@@ -200,14 +201,18 @@ for rel, mod in json.loads(sys.argv[1]):
                     and not missing.startswith(("cp_", "hydra_plugins"))))
         if not optional:
             failed[mod] = f"{type(exc).__name__}: {exc}"
-print(json.dumps({"files": out, "failed": failed}))
+import cp_core
+from cp_core.registry import available_backends
+print(json.dumps({"files": out, "failed": failed, "cp_core_file": cp_core.__file__,
+                  "available": list(available_backends())}))
 """
 
 
-def _check_installed_files(env: FreshEnv, folder: Path) -> None:
+def _check_installed_files(env: FreshEnv, folder: Path) -> dict:
     """Every file under ``folder/src`` (sources, data, configs, markers) is installed in
     ``env`` with the same bytes, and every module of it imports there (or, for a module that
-    needs an optional extra, fails only for want of that extra)."""
+    needs an optional extra, fails only for want of that extra). Returns the probe's report,
+    which also holds ``cp_core_file`` and the ``available`` backends of that interpreter."""
     import hashlib
 
     src = folder / "src"
@@ -229,3 +234,4 @@ def _check_installed_files(env: FreshEnv, folder: Path) -> None:
         assert got[rel] is not None, f"{rel} of {folder.name} is not installed"
         assert got[rel] == hashlib.sha256(p.read_bytes()).hexdigest(), (
             f"{rel} of {folder.name} differs from the workspace's")
+    return report
