@@ -28,6 +28,13 @@ from cp_core.registry import build_sharder
 from cp_core.runtime.intercept import active_plan
 from cp_core.testing.forms import FORMS, packed_form
 
+# The forkserver imports these once, and every worker it forks has them: without it each
+# worker imports torch and the loader itself, seconds per worker on a loaded 2-core host.
+# (No effect when a forkserver is already running in this process.)
+import multiprocessing  # noqa: E402
+
+multiprocessing.set_forkserver_preload(["torch", "cp_core.loader"])
+
 BACKENDS = ("round_robin", "contiguous", "identity", "aux_only", "te_thd", "magi", "blockdiag",
             "locality")
 #: Two batches: packed documents with trailing pad, and pad holes inside the rows.

@@ -117,6 +117,29 @@ def test_a_worker_exception_reaches_the_loop_with_its_message(workers: int) -> N
         next(it)
 
 
+def test_a_worker_exception_leaves_no_worker_for_the_garbage_collector() -> None:
+    # The worker's exception holds the loader's iterator through its traceback's frames, in a
+    # cycle: unless the receiver clears them, the iterator (and its workers) live until a
+    # garbage collection, whose worker shutdown then waits seconds per worker in a later step.
+    import gc
+    import multiprocessing
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        it = iter(CPLoader(_loader(2, n=8, fail_at=3)))
+        with pytest.raises(ValueError, match="sample 3 is unreadable"):
+            for _ in range(4):
+                next(it)
+        assert receivers() == 0
+        # The receiver has ended (joined by the raising next): the iterator went with it and
+        # shut its workers down, no collection needed.
+        assert multiprocessing.active_children() == []
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_break_del_and_a_failing_step_stop_the_receiver(workers: int) -> None:
     wrapped = CPLoader(_loader(workers, n=50), prefetch=2)
