@@ -49,6 +49,7 @@ from cp_magi.locality.expand import expand_anchor
 from cp_magi.locality.lean import lean, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
+from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.sweep import sweep
 from cp_magi.locality.units import Part, Units
@@ -70,6 +71,12 @@ SEARCH = False
 #: round_robin's, mean of 10 rows) and never at cp 4, 16 or 32, at up to 30x the host time
 #: (305 ms against 22 ms worst at cp 32).
 QUICK_TRIES = 2
+
+#: The stairs (:mod:`cp_magi.locality.stairs`) are searched only when the best placement of
+#: the constructions before them receives more than this share of round_robin's busiest rank
+#: (or none balances): placements already at the goal line stay as they were, at their host
+#: time.
+STAIRS_ABOVE = EARLY
 
 Holding = dict[int, list[Part]]
 
@@ -167,6 +174,12 @@ def _attempt(units: Units, cp: int, t: int, mean: float, tolerance: float, share
         holdings += expand_anchor(units, u, groups[u], bins.parts[i], t, mean, sand_set)
     holdings += [bins.parts[len(keys) + j] for j in range(ranks_left)]
     return holdings
+
+
+def _measure(units: Units, holdings: list[Holding]) -> tuple[np.ndarray, np.ndarray]:
+    """``(work, recv)`` per rank of ``holdings`` (the kind model's counts)."""
+    return (np.asarray([_work(units, h) for h in holdings], np.int64),
+            np.asarray([_recv(units, h) for h in holdings], np.int64))
 
 
 def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
@@ -282,6 +295,11 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
                       _sweep: "sweep"}.get(run.func, "dispatch")
             best = (key, holdings, work, recv, method)
     assert best is not None
+    if best[0][0] or effort == "full" or best[0][1] > STAIRS_ABOVE * rr:
+        got = stairs_search(units, cp, t, mean, tolerance, least, rr,
+                            partial(_measure, units))
+        if got is not None and (best[0][0] or float(got[2].max()) < best[0][1]):
+            best = ((False, float(got[2].max())), got[0], got[1], got[2], "stairs")
     _, holdings, work, recv, method = best
     owners = np.zeros(units.lengths.size, np.int64)
     for held in holdings:
