@@ -121,7 +121,7 @@ def test_stairs_exact_shares_and_counts_match_the_truth(kind: str, cp: int) -> N
                 (kind, cp, seed, bound)
             checked += 1
         rr = round_robin_recv(units, cp)
-        got = search(units, cp, per_rank, mean, 0.01, 0, rr, partial_measure(units))
+        got = search(units, cp, per_rank, mean, 0.01, 0, rr, float("inf"), partial_measure(units))
         if got is not None:
             held, work, recv = got
             indices = stream_indices(units, held)
@@ -221,11 +221,11 @@ def test_same_row_same_stairs() -> None:
     lengths = packed_rows(1, 1024, 7, cap_fraction=0.25)[0]
     units = row_units(lengths, 1024, "causal")
     mean = units.total_work / 8
-    first = search(units, 8, 128, mean, 0.01, 0, round_robin_recv(units, 8),
+    first = search(units, 8, 128, mean, 0.01, 0, round_robin_recv(units, 8), float("inf"),
                    partial_measure(units))
     assert first is not None
     for _ in range(3):
-        again = search(units, 8, 128, mean, 0.01, 0, round_robin_recv(units, 8),
+        again = search(units, 8, 128, mean, 0.01, 0, round_robin_recv(units, 8), float("inf"),
                        partial_measure(units))
         assert again is not None
         assert again[0] == first[0]

@@ -23,6 +23,15 @@ follow; of the balanced placements the one whose busiest rank receives least win
   bin that stones (:mod:`cp_magi.locality.stones`) and sand fill, and its slices are then cut
   to fit its ranks exactly (:mod:`cp_magi.locality.expand`), for each of :data:`ATTEMPTS`.
 
+Then, when the best placement so far receives more than :data:`STAIRS_ABOVE` of round_robin's
+busiest rank, or none balances, or with ``effort="full"``, the *stairs*
+(:mod:`cp_magi.locality.stairs`): the units too long or too heavy for one rank laid longest
+first over consecutive ranks under a bound on received rows (graded head-tail slices, each
+holding the rows its top row's bound asks for), the other units whole, the sand and pair
+moves levelling, for a grid of bounds upwards from the equal-share bound; a balanced stairs
+placement receiving less than the best so far replaces it. Placements at or below the goal
+line are left as they were (bit-identical, at their host time).
+
 The search ends early once the busiest rank is at the equal-share bound (causal: the holder
 of the longest unit's last row receives all of it it does not hold, so at least ``L - T``),
 or at :data:`EARLY` times what round_robin's busiest rank receives on the same stream.
@@ -93,8 +102,9 @@ class Placement:
         tokens_per_rank: ``T``.
         method: what found it: ``sweep`` (:mod:`cp_magi.locality.sweep`), ``direct``
             (:mod:`cp_magi.locality.lean`), ``pack``
-            (rank-level packing), ``groups`` (an anchor's ranks as one bin) or ``dispatch``
-            (the equal-chunk fallback).
+            (rank-level packing), ``groups`` (an anchor's ranks as one bin), ``stairs``
+            (long units over consecutive ranks under a bound on received rows,
+            :mod:`cp_magi.locality.stairs`) or ``dispatch`` (the equal-chunk fallback).
     """
 
     runs: RankRuns
@@ -249,7 +259,9 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
     otherwise the sweep is the answer. ``effort="quick"`` stops
     after the first :data:`QUICK_TRIES` constructions once one of them is balanced (the
     searched ones run only when neither is); ``"full"`` tries every construction until one
-    receives no more than round_robin."""
+    receives no more than round_robin. The stairs follow when the best so far receives more
+    than :data:`STAIRS_ABOVE` of round_robin's busiest rank or is not balanced, and always
+    with ``"full"``."""
     if effort not in ("quick", "full"):
         raise ValueError(f"effort={effort!r} is not 'quick' or 'full'")
     if units.stream_len % cp:
@@ -296,9 +308,10 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
             best = (key, holdings, work, recv, method)
     assert best is not None
     if best[0][0] or effort == "full" or best[0][1] > STAIRS_ABOVE * rr:
-        got = stairs_search(units, cp, t, mean, tolerance, least, rr,
+        beat = float("inf") if best[0][0] else best[0][1]
+        got = stairs_search(units, cp, t, mean, tolerance, least, rr, beat,
                             partial(_measure, units))
-        if got is not None and (best[0][0] or float(got[2].max()) < best[0][1]):
+        if got is not None:
             best = ((False, float(got[2].max())), got[0], got[1], got[2], "stairs")
     _, holdings, work, recv, method = best
     owners = np.zeros(units.lengths.size, np.int64)

@@ -17,20 +17,24 @@ The other units stay whole (stones, :mod:`cp_magi.locality.stones`) on ranks wit
 need for them; a stone no rank takes whole is laid as a stair too. The shortest units and
 the free slots (sand) then fill every rank to exactly ``T`` tokens and pair moves level the
 work (:mod:`cp_magi.locality.bins`). Slices are never moved or cut again there, so a rank's
-slices receive at most ``R``; a sand unit cut by the pour adds at most its own short length.
-A unit whose stair does not fit under ``R`` goes to the sand (the pour cuts it where the
-ranks' shares end).
+slices receive at most ``R``; a sand unit cut by the pour adds at most its own length. A unit
+whose stair does not fit under ``R`` (nor under a tighter bound: a tighter one makes the
+first slices hold more rows and can fit where a loose one does not) goes to the sand, which
+cuts it where the ranks' shares end.
 
-:func:`search` tries a small grid of bounds and variants and keeps the balanced placement
-whose busiest rank receives least: feasibility is not monotone in ``R`` (a loose bound lets
-the first slices take few rows and leaves the later ones too dense).
+:func:`search` tries bounds from the least any layout allows upwards, a few constructions
+(:data:`VARIANTS`) at each, and keeps the balanced placement whose busiest rank receives
+least: feasibility is not monotone in ``R`` (a loose bound lets the first slices take few
+rows and leaves the later ones too dense), and the sand's cuts make the outcome differ from
+the bound either way. Placements that cannot beat the caller's best are dropped before the
+levelling (the fill only adds received rows).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Callable
+
+import numpy as np
 
 from cp_magi.locality.anchors import Material
 from cp_magi.locality.bins import FREE, Bins, level, pour
@@ -52,6 +56,10 @@ VARIANTS: tuple[tuple[float, float], ...] = ((0.5, 0.05), (0.2, 0.15), (0.7, 0.0
 #: round_robin's busiest rank, then on to round_robin's when nothing balanced was found.
 GRID = 12
 TOP = 0.9
+#: A poured placement whose busiest rank receives this many times the rows to beat is not
+#: levelled (the pair moves pour sand again between two ranks, which moves the received rows
+#: a little either way; levelling is most of a construction's host time).
+POURED_OVER = 1.15
 
 
 def long_units(units: Units, t: int, cap: float, lightest: Material) -> np.ndarray:
@@ -81,9 +89,11 @@ def _offers(ranks: Bins, recv: np.ndarray, start: int, cap: float, rho: float, b
 
 
 def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: int,
-           lean: float = 1.0, sand_share: float = SAND) -> list[Holding] | None:
+           lean: float = 1.0, sand_share: float = SAND, beat: float = float("inf")
+           ) -> list[Holding] | None:
     """Every rank's holdings with the long units as stairs under ``bound`` received rows
-    (module docstring), or None when a stair does not fit."""
+    (module docstring), or None when the stairs took more tokens than the ranks hold, or a
+    rank's slices already receive ``beat`` rows (the fill only adds: no use levelling)."""
     model = units.model
     cap = mean * (1 + tolerance / 2)
     free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
@@ -129,6 +139,8 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
 
     # A long unit whose stair does not fit goes to the sand (cut where the ranks need it).
     spilled = [u for u in long_.tolist() if not lay(u)]
+    if recv.size and int(recv.max()) >= beat:
+        return None
     # Short units: the shortest (and the free slots) are sand, the others stones.
     order = rest[np.lexsort((rest, units.lengths[rest]))]
     want = sand_share * float(units.lengths[rest].sum())
@@ -145,42 +157,55 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
             float(free.sum())
         if not lay(u):
             spilled.append(u)
+    if recv.size and int(recv.max()) >= beat:
+        return None
     poured = np.concatenate([sand, np.asarray(spilled, np.int64)])
     pieces = [(int(u), 0, int(units.lengths[u])) for u in poured.tolist()]
     pieces += [(FREE, int(a), int(b)) for a, b in units.free.tolist()]
     if int(ranks.tokens.sum()) + sum(b - a for _, a, b in pieces) != cp * t:
         return None  # the stairs took more tokens than the ranks hold
     pour(ranks, units, pieces)
+    if max(_received(units, held) for held in ranks.parts) >= POURED_OVER * beat:
+        return None
     level(ranks, units, poured, tolerance * mean / 2)
     return ranks.parts
 
 
+def _received(units: Units, held: Holding) -> int:
+    """Key rows a rank holding ``held`` receives (the kind model's count)."""
+    return sum(units.model.recv(int(units.lengths[u]), parts)
+               for u, parts in held.items() if u != FREE)
+
+
 def search(units: Units, cp: int, t: int, mean: float, tolerance: float, least: int,
-           reference: int, measure: Measure
+           reference: int, beat: float, measure: Measure
            ) -> tuple[list[Holding], np.ndarray, np.ndarray] | None:
     """The balanced stairs placement whose busiest rank receives least, as ``(holdings,
-    work, recv)``, or None when none balances. Bounds go up from ``least`` in :data:`GRID`
-    steps to :data:`TOP` of ``reference`` (round_robin's busiest rank), on to ``reference``
-    only when nothing balanced was found below; the search ends at the first bound that a
-    balanced placement found so far does not pass (a looser bound mostly receives more).
-    ``measure`` gives a placement's work and received rows per rank."""
-    top = max(least, int(reference))
-    bounds = sorted({least + (top - least) * i // GRID for i in range(GRID + 1)})
+    work, recv)``, or None when none balances below ``beat`` rows. Bounds go up from
+    ``least`` in steps of ``1 / GRID`` of ``reference`` (round_robin's busiest rank) while
+    below ``beat`` and :data:`TOP` of ``reference``, on to ``reference`` only when nothing
+    balanced was found; the search ends once the best placement found receives no more than
+    the bound just tried (a looser bound mostly receives more). ``measure`` gives a
+    placement's work and received rows per rank."""
+    step = max(1, int(reference) // GRID)
     best: tuple[int, list[Holding], np.ndarray, np.ndarray] | None = None
-    for bound in bounds:
+    bound = least
+    while bound < beat and bound <= max(least, int(reference)):
         if best is not None and bound > TOP * reference:
             break
         for lean, sand_share in VARIANTS:
-            held = stairs(units, cp, t, mean, tolerance, bound, lean, sand_share)
+            held = stairs(units, cp, t, mean, tolerance, bound, lean, sand_share,
+                          beat if best is None else min(beat, best[0]))
             if held is None:
                 continue
             work, recv = measure(held)
             if float(work.max()) > mean * (1 + tolerance):
                 continue
-            if best is None or int(recv.max()) < best[0]:
+            if int(recv.max()) < beat and (best is None or int(recv.max()) < best[0]):
                 best = (int(recv.max()), held, work, recv)
         if best is not None and best[0] <= bound:
             break
+        bound += step
     return None if best is None else best[1:]
 
 
