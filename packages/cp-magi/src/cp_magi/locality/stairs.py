@@ -89,11 +89,15 @@ def _offers(ranks: Bins, recv: np.ndarray, start: int, cap: float, rho: float, b
 
 
 def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: int,
-           lean: float = 1.0, sand_share: float = SAND, beat: float = float("inf")
-           ) -> list[Holding] | None:
+           lean: float = 1.0, sand_share: float = SAND, beat: float = float("inf"),
+           seen: set[tuple] | None = None) -> list[Holding] | None:
     """Every rank's holdings with the long units as stairs under ``bound`` received rows
     (module docstring), or None when the stairs took more tokens than the ranks hold, or a
-    rank's slices already receive ``beat`` rows (the fill only adds: no use levelling)."""
+    rank's slices already receive ``beat`` rows (the fill only adds: no use levelling), or
+    this variant laid the same stairs before (their layouts are kept in ``seen``): a bound
+    no stair reaches gives the stairs of a tighter one, and the fill would repeat its
+    placement (it can differ only where a stone no rank takes whole is laid under the
+    bound, a short unit: the repeat is not worth the host time)."""
     model = units.model
     cap = mean * (1 + tolerance / 2)
     free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
@@ -141,6 +145,12 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     spilled = [u for u in long_.tolist() if not lay(u)]
     if recv.size and int(recv.max()) >= beat:
         return None
+    if seen is not None:
+        key = (lean, sand_share, tuple(tuple(sorted((u, tuple(p)) for u, p in held.items()))
+                                       for held in ranks.parts))
+        if key in seen:
+            return None
+        seen.add(key)
     # Short units: the shortest (and the free slots) are sand, the others stones.
     order = rest[np.lexsort((rest, units.lengths[rest]))]
     want = sand_share * float(units.lengths[rest].sum())
@@ -189,13 +199,14 @@ def search(units: Units, cp: int, t: int, mean: float, tolerance: float, least: 
     placement's work and received rows per rank."""
     step = max(1, int(reference) // GRID)
     best: tuple[int, list[Holding], np.ndarray, np.ndarray] | None = None
+    seen: set[tuple] = set()
     bound = least
     while bound < beat and bound <= max(least, int(reference)):
         if best is not None and bound > TOP * reference:
             break
         for lean, sand_share in VARIANTS:
             held = stairs(units, cp, t, mean, tolerance, bound, lean, sand_share,
-                          beat if best is None else min(beat, best[0]))
+                          beat if best is None else min(beat, best[0]), seen)
             if held is None:
                 continue
             work, recv = measure(held)
