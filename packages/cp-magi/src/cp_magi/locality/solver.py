@@ -24,7 +24,8 @@ follow; of the balanced placements the one whose busiest rank receives least win
   to fit its ranks exactly (:mod:`cp_magi.locality.expand`), for each of :data:`ATTEMPTS`.
 
 Then, when the best placement so far receives more than :data:`STAIRS_ABOVE` of round_robin's
-busiest rank, or none balances, or with ``effort="full"``, the *stairs*
+busiest rank and the equal-share bound leaves room under it (:data:`STAIRS_ROOM`), or none
+balances, or with ``effort="full"``, the *stairs*
 (:mod:`cp_magi.locality.stairs`): the units too long or too heavy for one rank laid longest
 first over consecutive ranks under a bound on received rows (graded head-tail slices, each
 holding the rows its top row's bound asks for), the other units whole, the sand and pair
@@ -86,6 +87,12 @@ QUICK_TRIES = 2
 #: (or none balances): placements already at the goal line stay as they were, at their host
 #: time.
 STAIRS_ABOVE = EARLY
+#: ... and only when the equal-share bound is below this share of the rows to beat: a stair's
+#: slices receive about its bound, and the top slice of the longest unit, whose work keeps
+#: it well under ``T`` rows, receives well above ``L - T``. On the development and held-back
+#: rows (cp 4-16) the stairs won only where that share was below 0.5; above it they cost
+#: tens of ms per step for nothing.
+STAIRS_ROOM = 0.6
 
 Holding = dict[int, list[Part]]
 
@@ -260,8 +267,8 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
     after the first :data:`QUICK_TRIES` constructions once one of them is balanced (the
     searched ones run only when neither is); ``"full"`` tries every construction until one
     receives no more than round_robin. The stairs follow when the best so far receives more
-    than :data:`STAIRS_ABOVE` of round_robin's busiest rank or is not balanced, and always
-    with ``"full"``."""
+    than :data:`STAIRS_ABOVE` of round_robin's busiest rank with room under it
+    (:data:`STAIRS_ROOM`) or is not balanced, and always with ``"full"``."""
     if effort not in ("quick", "full"):
         raise ValueError(f"effort={effort!r} is not 'quick' or 'full'")
     if units.stream_len % cp:
@@ -307,8 +314,9 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
                       _sweep: "sweep"}.get(run.func, "dispatch")
             best = (key, holdings, work, recv, method)
     assert best is not None
-    if best[0][0] or effort == "full" or best[0][1] > STAIRS_ABOVE * rr:
-        beat = float("inf") if best[0][0] else best[0][1]
+    beat = float("inf") if best[0][0] else best[0][1]
+    if best[0][0] or effort == "full" or (best[0][1] > STAIRS_ABOVE * rr
+                                          and least < STAIRS_ROOM * beat):
         got = stairs_search(units, cp, t, mean, tolerance, least, rr, beat,
                             partial(_measure, units))
         if got is not None:
