@@ -72,6 +72,13 @@ def long_units(units: Units, t: int, cap: float, lightest: Material) -> np.ndarr
     return out[np.lexsort((out, -n[out]))]
 
 
+def _everything(units: Units) -> Material:
+    """All units and free slots as material (for :func:`long_units`)."""
+    free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
+    return Material.of(np.concatenate([units.lengths, free]),
+                       np.concatenate([units.work, np.zeros(free.size, np.int64)]))
+
+
 def _offers(ranks: Bins, recv: np.ndarray, start: int, cap: float, rho: float, bound: int
             ) -> list[Offer]:
     """Every rank with room, from ``start`` on (wrapping), as an offer: its tokens left, the
@@ -90,20 +97,21 @@ def _offers(ranks: Bins, recv: np.ndarray, start: int, cap: float, rho: float, b
 
 def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: int,
            lean: float = 1.0, sand_share: float = SAND, beat: float = float("inf"),
-           seen: set[tuple] | None = None) -> list[Holding] | None:
+           seen: set[tuple] | None = None, long_: np.ndarray | None = None
+           ) -> list[Holding] | None:
     """Every rank's holdings with the long units as stairs under ``bound`` received rows
     (module docstring), or None when the stairs took more tokens than the ranks hold, or a
     rank's slices already receive ``beat`` rows (the fill only adds: no use levelling), or
     this variant laid the same stairs before (their layouts are kept in ``seen``): a bound
     no stair reaches gives the stairs of a tighter one, and the fill would repeat its
     placement (it can differ only where a stone no rank takes whole is laid under the
-    bound, a short unit: the repeat is not worth the host time)."""
+    bound, a short unit: the repeat is not worth the host time). ``long_``: the units laid
+    as stairs, when the caller has them (:func:`long_units`)."""
     model = units.model
     cap = mean * (1 + tolerance / 2)
     free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
-    everything = Material.of(np.concatenate([units.lengths, free]),
-                             np.concatenate([units.work, np.zeros(free.size, np.int64)]))
-    long_ = long_units(units, t, cap, everything)
+    if long_ is None:
+        long_ = long_units(units, t, cap, _everything(units))
     rest = np.setdiff1d(np.arange(units.lengths.size), long_)
     ranks = Bins.empty(np.full(cp, t, np.int64), np.full(cp, mean, np.float64))
     recv = np.zeros(cp, np.int64)
@@ -200,13 +208,15 @@ def search(units: Units, cp: int, t: int, mean: float, tolerance: float, least: 
     step = max(1, int(reference) // GRID)
     best: tuple[int, list[Holding], np.ndarray, np.ndarray] | None = None
     seen: set[tuple] = set()
+    # The same for every construction (the cap is the stairs' own, as in :func:`stairs`).
+    long_ = long_units(units, t, mean * (1 + tolerance / 2), _everything(units))
     bound = least
     while bound < beat and bound <= max(least, int(reference)):
         if best is not None and bound > TOP * reference:
             break
         for lean, sand_share in VARIANTS:
             held = stairs(units, cp, t, mean, tolerance, bound, lean, sand_share,
-                          beat if best is None else min(beat, best[0]), seen)
+                          beat if best is None else min(beat, best[0]), seen, long_)
             if held is None:
                 continue
             work, recv = measure(held)
