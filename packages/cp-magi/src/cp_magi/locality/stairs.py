@@ -38,6 +38,7 @@ import numpy as np
 
 from cp_magi.locality.anchors import Material
 from cp_magi.locality.bins import FREE, Bins, level, pour
+from cp_magi.locality.expand import reshape
 from cp_magi.locality.slicing import Offer, graded_slices, piece_slices
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.units import Part, Units
@@ -60,6 +61,8 @@ TOP = 0.9
 #: levelled (the pair moves pour sand again between two ranks, which moves the received rows
 #: a little either way; levelling is most of a construction's host time).
 POURED_OVER = 1.15
+#: Rounds of cutting the stairs again and levelling around them, at most.
+RECUTS = 3
 
 
 def long_units(units: Units, t: int, cap: float, lightest: Material) -> np.ndarray:
@@ -120,6 +123,7 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     left_work = float(units.total_work)
     left_tokens = float(cp * t)
     at = 0
+    laid: list[tuple[int, list[tuple[int, int]]]] = []  # stairs of several slices, in order
 
     def lay(u: int) -> bool:
         nonlocal at, left_work, left_tokens
@@ -145,6 +149,8 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
             ranks.work[r] += s.work
             recv[r] += s.recv
         at = got[-1][0]  # the next stair starts where this one ended
+        if len(got) > 1:
+            laid.append((u, [(r, sl.tokens) for r, sl in got]))
         left_work -= w
         left_tokens -= n
         return True
@@ -186,7 +192,33 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     if max(_received(units, held) for held in ranks.parts) >= POURED_OVER * beat:
         return None
     level(ranks, units, poured, tolerance * mean / 2)
+    # Where the fill cannot level the ranks, the stairs are cut again and the fill levelled
+    # around them, a few times (each recut moves work the pair moves can then even out).
+    for _ in range(RECUTS if model.graded else 0):
+        if float(ranks.work.max()) <= mean * (1 + tolerance):
+            break
+        _recut(units, ranks, laid, mean)
+        level(ranks, units, poured, tolerance * mean / 2)
     return ranks.parts
+
+
+def _recut(units: Units, ranks: Bins, laid: list[tuple[int, list[tuple[int, int]]]],
+           mean: float) -> None:
+    """Every stair cut again front to back with its slices' token counts kept and their
+    work set to what their ranks need beside their fill (the unit's surplus or shortfall
+    spread over its slices; :func:`cp_magi.locality.expand.reshape`): where the fill cannot
+    level the ranks, the slices can, at some change of what they receive."""
+    model = units.model
+    for u, slots in laid:
+        n = int(units.lengths[u])
+        own = [sum(model.work(n, a, b) for a, b in ranks.parts[r].get(u, [])) for r, _ in slots]
+        goals = [mean - (float(ranks.work[r]) - w) for (r, _), w in zip(slots, own)]
+        spread = (float(units.work[u]) - sum(goals)) / len(slots)
+        shapes = reshape(n, [k for _, k in slots], [g + spread for g in goals])
+        for (r, _), w, parts in zip(slots, own, shapes):
+            kept = [p for p in parts if p[1] > p[0]]
+            ranks.parts[r][u] = kept
+            ranks.work[r] += sum(model.work(n, a, b) for a, b in kept) - w
 
 
 def _received(units: Units, held: Holding) -> int:
