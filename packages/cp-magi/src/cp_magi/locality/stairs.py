@@ -16,8 +16,11 @@ short units are).
 The other units stay whole (stones, :mod:`cp_magi.locality.stones`) on ranks with room and
 need for them; a stone no rank takes whole is laid as a stair too. The shortest units and
 the free slots (sand) then fill every rank to exactly ``T`` tokens and pair moves level the
-work (:mod:`cp_magi.locality.bins`). Slices are never moved or cut again there, so a rank's
-slices receive at most ``R``; a sand unit cut by the pour adds at most its own length. A unit
+work (:mod:`cp_magi.locality.bins`). Slices are never moved there, so a rank's slices
+receive at most ``R``; a sand unit cut by the pour adds at most its own length. Only where
+the fill cannot level the ranks are the stairs cut again, their token counts kept and their
+work set to what their ranks need (:func:`cp_magi.locality.expand.reshape`), which moves
+what they receive a little either way; the measured placement is what counts. A unit
 whose stair does not fit under ``R`` (nor under a tighter bound: a tighter one makes the
 first slices hold more rows and can fit where a loose one does not) goes to the sand, which
 cuts it where the ranks' shares end.
