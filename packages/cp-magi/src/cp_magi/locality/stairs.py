@@ -265,4 +265,5 @@ def search(units: Units, cp: int, t: int, mean: float, tolerance: float, least: 
     return None if best is None else best[1:]
 
 
-__all__ = ["stairs", "search", "long_units", "SAND", "VARIANTS", "GRID", "TOP"]
+__all__ = ["stairs", "search", "long_units", "SAND", "VARIANTS", "GRID", "TOP", "POURED_OVER",
+           "RECUTS"]
