@@ -7,6 +7,8 @@ attention kind), :mod:`~cp_magi.locality.slicing` and :mod:`~cp_magi.locality.an
 long units), :mod:`~cp_magi.locality.pack`, :mod:`~cp_magi.locality.stones`,
 :mod:`~cp_magi.locality.bins` and :mod:`~cp_magi.locality.expand` (filling the ranks),
 :mod:`~cp_magi.locality.lean` (the direct construction, tried first),
+:mod:`~cp_magi.locality.stairs` (long units over consecutive ranks under a bound on received
+rows, where the first constructions leave the busiest rank above 0.8x round_robin's),
 :mod:`~cp_magi.locality.solver` (the search), :mod:`~cp_magi.locality.sharder` and
 :mod:`~cp_magi.locality.backend` (the backend).
 """

@@ -21,9 +21,11 @@ class LocalityConfig(FlatStreamConfig):
     keys to balance better (below what the batch allows, the most balanced layout found)."""
     effort: Literal["quick", "full"] = "quick"
     """``quick``: the two one-pass constructions (the sweep, the direct one), the searched
-    ones only when neither balances (host time near magi's); ``full``: search on until a
-    balanced layout receives no more than round_robin (up to ~30x the host time, for a few
-    percent fewer received rows at cp 8 on the shared histogram)."""
+    ones only when neither balances, and the stairs where the best of them leaves the busiest
+    rank above 0.8x round_robin's with room below (host time near magi's elsewhere, tens of
+    ms more there); ``full``: search on until a balanced layout receives no more than
+    round_robin, then the stairs too (up to ~30x the host time, for a few percent fewer
+    received rows at cp 8 on the shared histogram)."""
 
 
 def make_sharder(cfg: LocalityConfig, cp_mesh: Any, tp_mesh: Any = None

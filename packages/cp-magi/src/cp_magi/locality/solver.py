@@ -23,6 +23,16 @@ follow; of the balanced placements the one whose busiest rank receives least win
   bin that stones (:mod:`cp_magi.locality.stones`) and sand fill, and its slices are then cut
   to fit its ranks exactly (:mod:`cp_magi.locality.expand`), for each of :data:`ATTEMPTS`.
 
+Then, when the best placement so far receives more than :data:`STAIRS_ABOVE` of round_robin's
+busiest rank and the equal-share bound leaves room under it (:data:`STAIRS_ROOM`), or none
+balances, or with ``effort="full"``, the *stairs*
+(:mod:`cp_magi.locality.stairs`): the units too long or too heavy for one rank laid longest
+first over consecutive ranks under a bound on received rows (graded head-tail slices, each
+holding the rows its top row's bound asks for), the other units whole, the sand and pair
+moves levelling, for a grid of bounds upwards from the equal-share bound; a balanced stairs
+placement receiving less than the best so far replaces it. Placements at or below the goal
+line are left as they were (bit-identical, at their host time).
+
 The search ends early once the busiest rank is at the equal-share bound (causal: the holder
 of the longest unit's last row receives all of it it does not hold, so at least ``L - T``),
 or at :data:`EARLY` times what round_robin's busiest rank receives on the same stream.
@@ -49,6 +59,7 @@ from cp_magi.locality.expand import expand_anchor
 from cp_magi.locality.lean import lean, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
+from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.sweep import sweep
 from cp_magi.locality.units import Part, Units
@@ -71,6 +82,18 @@ SEARCH = False
 #: (305 ms against 22 ms worst at cp 32).
 QUICK_TRIES = 2
 
+#: The stairs (:mod:`cp_magi.locality.stairs`) are searched only when the best placement of
+#: the constructions before them receives more than this share of round_robin's busiest rank
+#: (or none balances): placements already at the goal line stay as they were, at their host
+#: time.
+STAIRS_ABOVE = EARLY
+#: ... and only when the equal-share bound is below this share of the rows to beat: a stair's
+#: slices receive about its bound, and the top slice of the longest unit, whose work keeps
+#: it well under ``T`` rows, receives well above ``L - T``. On the development and held-back
+#: rows (cp 4-16) the stairs won only where that share was below 0.5; above it they cost
+#: tens of ms per step for nothing.
+STAIRS_ROOM = 0.6
+
 Holding = dict[int, list[Part]]
 
 
@@ -86,8 +109,9 @@ class Placement:
         tokens_per_rank: ``T``.
         method: what found it: ``sweep`` (:mod:`cp_magi.locality.sweep`), ``direct``
             (:mod:`cp_magi.locality.lean`), ``pack``
-            (rank-level packing), ``groups`` (an anchor's ranks as one bin) or ``dispatch``
-            (the equal-chunk fallback).
+            (rank-level packing), ``groups`` (an anchor's ranks as one bin), ``stairs``
+            (long units over consecutive ranks under a bound on received rows,
+            :mod:`cp_magi.locality.stairs`) or ``dispatch`` (the equal-chunk fallback).
     """
 
     runs: RankRuns
@@ -169,6 +193,12 @@ def _attempt(units: Units, cp: int, t: int, mean: float, tolerance: float, share
     return holdings
 
 
+def _measure(units: Units, holdings: list[Holding]) -> tuple[np.ndarray, np.ndarray]:
+    """``(work, recv)`` per rank of ``holdings`` (the kind model's counts)."""
+    return (np.asarray([_work(units, h) for h in holdings], np.int64),
+            np.asarray([_recv(units, h) for h in holdings], np.int64))
+
+
 def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
     """Every rank's holdings (parts per unit) from its stream runs."""
     ends = units.starts + units.lengths
@@ -236,7 +266,9 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
     otherwise the sweep is the answer. ``effort="quick"`` stops
     after the first :data:`QUICK_TRIES` constructions once one of them is balanced (the
     searched ones run only when neither is); ``"full"`` tries every construction until one
-    receives no more than round_robin."""
+    receives no more than round_robin. The stairs follow when the best so far receives more
+    than :data:`STAIRS_ABOVE` of round_robin's busiest rank with room under it
+    (:data:`STAIRS_ROOM`) or is not balanced, and always with ``"full"``."""
     if effort not in ("quick", "full"):
         raise ValueError(f"effort={effort!r} is not 'quick' or 'full'")
     if units.stream_len % cp:
@@ -282,6 +314,13 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
                       _sweep: "sweep"}.get(run.func, "dispatch")
             best = (key, holdings, work, recv, method)
     assert best is not None
+    beat = float("inf") if best[0][0] else best[0][1]
+    if best[0][0] or effort == "full" or (best[0][1] > STAIRS_ABOVE * rr
+                                          and least < STAIRS_ROOM * beat):
+        got = stairs_search(units, cp, t, mean, tolerance, least, rr, beat,
+                            partial(_measure, units))
+        if got is not None:
+            best = ((False, float(got[2].max())), got[0], got[1], got[2], "stairs")
     _, holdings, work, recv, method = best
     owners = np.zeros(units.lengths.size, np.int64)
     for held in holdings:
