@@ -36,7 +36,7 @@ from typing import Any
 
 from cp_core.runtime.intercept import activate_plan
 from cp_core.runtime.kernels.blocked import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
-from cp_core.plan.schedule import fused_schedule
+from cp_core.plan.schedule import SCHEDULE_BUILDER, fused_schedule
 from cp_core.runtime.p2p_ring import fused_attention
 from cp_core.plan.record import (
     ATTENTION_KINDS,
@@ -46,7 +46,7 @@ from cp_core.plan.record import (
     TransportOptions,
 )
 from cp_core.plan.rects import INF, BandRects, real_keys_only, segment_rects
-from cp_core.plan.pieces import index_runs
+from cp_core.plan.pieces import CAUSAL, FULL, index_runs
 from cp_core.runtime.transports.allgather import allgather_sdpa, gather_kv
 from cp_core.runtime.door import call_transport, check_local_shapes, resolve_causal
 from cp_core.batch.normalise import (
@@ -146,7 +146,7 @@ __all__ = [
     # transport building blocks
     "allgather_sdpa", "call_transport", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",
-    "segment_rects",
+    "segment_rects", "SCHEDULE_BUILDER", "FULL", "CAUSAL",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
     "peer_failures",
     # errors

@@ -28,6 +28,7 @@ from cp_core.backend_api import (
     CPBatchError,
     DocumentMask,
     Documents,
+    SCHEDULE_BUILDER,
     RankRuns,
     Segments,
     ShardLayout,
@@ -42,6 +43,7 @@ from cp_core.backend_api import (
     thd_document_divisor,
     without_document_keys,
 )
+from cp_te.dual_chunk_schedule import DualChunkSchedule
 from cp_te.local_slots import HostStream, LocalSlots, all_rank_runs, local_slots
 from cp_te.stream import ThdStream, segments_from_doc_runs
 from cp_te.te_attention import find_te_attention_modules, te_context_parallel, te_path_active
@@ -180,7 +182,12 @@ def _plan_host(segments: Segments, cp: int, chunk_multiple: int
     # The layout is computed once on the host (O(documents) numpy) and shared by the stream's
     # tensors, the partition's runs and this rank's slots.
     host = HostStream.build(segments, thd_document_divisor(cp, chunk_multiple))
-    return host.thd_stream(segments), host, all_rank_runs(host, cp)
+    runs = all_rank_runs(host, cp)
+    # The p2p schedule of this layout has a closed form per document (causal masks).
+    keep = host.padded > 0
+    runs.cache[SCHEDULE_BUILDER] = DualChunkSchedule(
+        host.padded[keep] // (2 * cp), host.length[keep], host.stream_start[keep], cp)
+    return host.thd_stream(segments), host, runs
 
 
 def shard_batch_thd(

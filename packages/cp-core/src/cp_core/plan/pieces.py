@@ -27,7 +27,12 @@ from typing import NamedTuple
 from cp_core.placement.runs import Run, index_runs
 from cp_core.plan.rects import INF, band_area
 
-FULL, CAUSAL, BAND = 0, 1, 2
+#: Piece kind: every query row sees every key row.
+FULL: int = 0
+#: Piece kind: a top-left causal square (row ``i`` sees keys ``0..i``).
+CAUSAL: int = 1
+#: Piece kind: a band tile with explicit bounds ``dlo <= u - r <= dhi``.
+BAND: int = 2
 PIECE_KINDS: tuple[str, ...] = ("full", "causal", "band")
 
 

@@ -85,11 +85,21 @@ class P2PSchedule:
         return max((a + b for a, b in zip(lens[:-1], lens[1:])), default=0)
 
 
+#: Key of :attr:`RankRuns.cache` under which a layout may leave a closed-form builder of its
+#: own schedule: ``builder(rects, rank)`` returns what :func:`schedule_parts` returns, or None
+#: for a mask it does not describe (the generic crop then runs). It must give exactly the
+#: generic answer (cp-te's dual-chunk builder is held to it by its tests) and pickle.
+SCHEDULE_BUILDER = "schedule_builder"
+
+
 def schedule_from_runs(rects: BandRects, runs: RankRuns, rank: int) -> P2PSchedule:
     """This rank's pieces and ring steps, computed from every rank's runs with array
-    operations (:mod:`cp_core.plan.crop`), O(rectangles x runs). Its readable definition,
+    operations (:mod:`cp_core.plan.crop`), O(rectangles x runs), or by the layout's own
+    closed form when it left one (:data:`SCHEDULE_BUILDER`). Its readable definition,
     :func:`cp_core.testing.reference_plan.build_schedule`, is what the tests hold it to."""
-    local, parts = schedule_parts(rects, runs, rank)
+    builder = runs.cache.get(SCHEDULE_BUILDER)
+    got = builder(rects, rank) if builder is not None else None
+    local, parts = got if got is not None else schedule_parts(rects, runs, rank)
     return P2PSchedule(rank, runs.size, local, [RingStep(*p) for p in parts])
 
 
@@ -148,5 +158,5 @@ def fused_schedule(plan: AttentionPlan, k_index: torch.Tensor, cache_key: str = 
     return sched
 
 
-__all__ = ["P2PSchedule", "RingStep", "schedule_for", "required_schedule",
+__all__ = ["P2PSchedule", "RingStep", "SCHEDULE_BUILDER", "schedule_for", "required_schedule",
            "schedule_from_runs", "plan_rects", "fused_schedule"]
