@@ -59,6 +59,26 @@ def _merged(start: np.ndarray, end: np.ndarray) -> Ranges:
     return list(zip(start[first].tolist(), end[last].tolist()))
 
 
+def _ranges(start: np.ndarray, end: np.ndarray) -> Ranges:
+    """``[start, end)`` ranges known not to touch, as tuples."""
+    return list(zip(start.tolist(), end.tolist()))
+
+
+def _columns(b: int, q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray
+             ) -> tuple[list[int], ...]:
+    """The columns of FULL pieces but their source, as lists (converted once, zipped with
+    each source's number)."""
+    n = q0.size
+    return ([b] * n, q0.tolist(), q1.tolist(), k0.tolist(), k1.tolist(), [FULL] * n,
+            [-INF] * n, [INF] * n)
+
+
+def _full_pieces(cols: tuple[list[int], ...], src: int) -> list[PieceTuple]:
+    """FULL pieces of ``cols`` (see :func:`_columns`) over keys from ``src``."""
+    b, q0, q1, k0, k1, kind, dlo, dhi = cols
+    return list(zip(b, q0, q1, [src] * len(b), k0, k1, kind, dlo, dhi))
+
+
 def _tuples(b: int, q0: np.ndarray, q1: np.ndarray, src: int, k0: np.ndarray, k1: np.ndarray,
             kind: int) -> list[PieceTuple]:
     """Plain piece tuples (``dlo``/``dhi`` off), zipped from column lists in C."""
@@ -107,38 +127,42 @@ class DualChunkSchedule:
         c, length = self.chunk, self.length
         off = _exclusive(2 * c)  # local offset of each document's head chunk, on every rank
 
-        def real(chunk_index: int) -> np.ndarray:
-            return np.clip(length - chunk_index * c, 0, c)
-
-        mh, mt = real(r), real(2 * n - 1 - r)
+        # Real tokens of every chunk of every document, [2n, D]: which chunks a rank's
+        # queries reach, for this rank and for every peer it sends to.
+        fill = np.clip(length - np.arange(2 * n, dtype=np.int64)[:, None] * c, 0, c)
+        mh, mt = fill[r], fill[2 * n - 1 - r]
         local = self._local(b, r, off, c, mh, mt)
 
-        # Sources below r: head (and tail, below a full head) rows over chunk s.
+        # Sources below r: head (and tail, below a full head) rows over chunk s. Two
+        # documents' head chunks never touch in storage (a tail lies between), so the ranges
+        # need no merging.
         low = mh > 0
-        low_q1 = np.where(mt > 0, off + c + mt, off + mh)[low]
         low_len = c[low]
         low_base = _exclusive(low_len)
-        low_recv = _merged(off[low], off[low] + low_len)
+        low_recv = _ranges(off[low], off[low] + low_len)
+        low_cols = _columns(b, off[low], np.where(mt > 0, off + c + mt, off + mh)[low],
+                            low_base, low_base + low_len)
         # Sources above r: tail rows over chunks s and 2n-1-s (touching in s's storage).
         up = mt > 0
         up_len = 2 * c[up]
         up_base = _exclusive(up_len)
         up_recv = _merged(off[up], off[up] + up_len)
         up_q0 = (off + c)[up]
-        up_q1 = up_q0 + mt[up]
+        up_cols = _columns(b, up_q0, up_q0 + mt[up], up_base, up_base + up_len)
 
         steps = []
         for i in range(1, n):
             src, dst = (r - i) % n, (r + i) % n
-            if src < r:
-                ranges = low_recv
-                pieces = _tuples(b, off[low], low_q1, src, low_base, low_base + low_len, FULL) \
-                    if ranges else []
+            ranges, cols = (low_recv, low_cols) if src < r else (up_recv, up_cols)
+            pieces = _full_pieces(cols, src) if ranges else []
+            # What dst reads of ours: r is one of its lower or upper sources.
+            if r < dst:
+                keep = fill[dst] > 0
+                send = _ranges(off[keep], (off + c)[keep])
             else:
-                ranges = up_recv
-                pieces = _tuples(b, up_q0, up_q1, src, up_base, up_base + up_len, FULL) \
-                    if ranges else []
-            steps.append((src, ranges, pieces, dst, self._send(r, dst, off)))
+                keep = fill[2 * n - 1 - dst] > 0
+                send = _merged(off[keep], (off + 2 * c)[keep])
+            steps.append((src, ranges, pieces, dst, send))
         return local, steps
 
     def _local(self, b: int, r: int, off: np.ndarray, c: np.ndarray, mh: np.ndarray,
@@ -169,16 +193,6 @@ class DualChunkSchedule:
         keep = np.stack((mh == 1, mt > 0), axis=1)
         k0 = np.stack((off, off), axis=1)[keep]
         return causal + _tuples(b, fq0[keep], fq1[keep], r, k0, fk1[keep], FULL)
-
-    def _send(self, r: int, dst: int, off: np.ndarray) -> Ranges:
-        """The ranges of rank ``r``'s storage that ``dst`` reads (``r`` is one of ``dst``'s
-        lower or upper sources)."""
-        c, length, n = self.chunk, self.length, self.cp
-        if r < dst:
-            keep = np.clip(length - dst * c, 0, c) > 0
-            return _merged(off[keep], (off + c)[keep])
-        keep = np.clip(length - (2 * n - 1 - dst) * c, 0, c) > 0
-        return _merged(off[keep], (off + 2 * c)[keep])
 
 
 __all__ = ["DualChunkSchedule"]
