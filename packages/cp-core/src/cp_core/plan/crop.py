@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from cp_core.plan.crop_few import few_passes
 from cp_core.plan.rects import INF, BandRects
 from cp_core.plan.run_table import RunTable, overlaps
 from cp_core.plan.pieces import (
@@ -128,10 +129,15 @@ def merged_ranges_few(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray
                       ) -> dict[int, list[tuple[int, int]]]:
     """:func:`merged_ranges` in Python, for a handful of ranges (a head-tail layout's crops):
     below a few dozen, one sort of tuples costs less than numpy's dozen array calls."""
+    return merged_triples(zip(owner.tolist(), lo.tolist(), hi.tolist()))
+
+
+def merged_triples(triples: Any) -> dict[int, list[tuple[int, int]]]:
+    """:func:`merged_ranges_few` of ``(owner, lo, hi)`` triples."""
     out: dict[int, list[tuple[int, int]]] = {}
     # Sorted by (owner, start): owners come out ascending, as ranges_by_owner gives them;
     # ties in start order by end, which leaves each union unchanged.
-    for o, a, b in sorted(zip(owner.tolist(), lo.tolist(), hi.tolist())):
+    for o, a, b in sorted(triples):
         got = out.get(o)
         if got is None:
             out[o] = [(a, b)]
@@ -319,9 +325,16 @@ _FEW_BOXES = 64
 def _few_pieces(mine: Boxes, rank: int, recv: dict[int, list[tuple[int, int]]]
                 ) -> tuple[list[Piece], dict[int, list[Piece]]]:
     """:func:`_many_pieces` for a handful of boxes, in Python."""
-    by: dict[int, list[Piece]] = {}
     cols = (mine.b, mine.q0, mine.q1, mine.k_owner, mine.k0, mine.k1, mine.dlo, mine.dhi)
-    for args in zip(*(x.tolist() for x in cols)):
+    return _pieces_of_boxes(zip(*(x.tolist() for x in cols)), rank, recv)
+
+
+def _pieces_of_boxes(boxes: Any, rank: int, recv: dict[int, list[tuple[int, int]]]
+                     ) -> tuple[list[Piece], dict[int, list[Piece]]]:
+    """Local pieces and per source the pieces in buffer coordinates, of boxes given as
+    ``(b, q0, q1, src, k0, k1, dlo, dhi)`` tuples."""
+    by: dict[int, list[Piece]] = {}
+    for args in boxes:
         _pieces(*args, by.setdefault(args[3], []))
     local = merge_full_pieces(by.pop(rank, []))
     return local, {s: merge_full_pieces(to_buffer_coords(ps, recv[s])) for s, ps in by.items()}
@@ -347,6 +360,12 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     buffer coordinates, dst, send ranges)`` — what :class:`~cp_core.runtime.p2p_ring.RingStep`
     holds."""
     size = runs.size
+    few = few_passes(rects.rows, runs, rank)
+    if few is not None:
+        boxes, sent = few
+        recv = merged_triples((box[3], box[4], box[5]) for box in boxes)
+        local, by_src = _pieces_of_boxes(boxes, rank, recv)
+        return local, _steps(rank, size, recv, by_src, merged_triples(sent))
     mine, theirs = _both_passes(rects, runs, rank)
     if mine.b.size <= _FEW_BOXES:
         recv = merged_ranges_few(mine.k_owner, mine.k0, mine.k1)
@@ -357,15 +376,22 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
         local, by_src = _many_pieces(mine, rank, r_owner, r_start, r_end)
     send = merged_ranges_few(*theirs) if theirs[0].size <= _FEW_BOXES else \
         merged_ranges(*theirs)
+    return local, _steps(rank, size, recv, by_src, send)
+
+
+def _steps(rank: int, size: int, recv: dict[int, list[tuple[int, int]]],
+           by_src: dict[int, list[Piece]], send: dict[int, list[tuple[int, int]]]
+           ) -> list[tuple[int, list[tuple[int, int]], list[Piece], int, list[tuple[int, int]]]]:
+    """Per ring step ``i``: ``(src, recv ranges, pieces, dst, send ranges)``."""
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
         ranges = recv.get(src, [])
         steps.append((src, ranges, by_src.get(src, []) if ranges else [], dst,
                       send.get(dst, [])))
-    return local, steps
+    return steps
 
 
 __all__ = ["Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
-           "merged_ranges_few", "ranges_by_owner", "piece_rows",
+           "merged_ranges_few", "merged_triples", "ranges_by_owner", "piece_rows",
            "pieces_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
