@@ -305,3 +305,90 @@ def test_one_row_sources_match_token_loops(seed: int) -> None:
         want = [s for s in cu if s < seq]
         assert got.starts.tolist() == want, cu
         assert got.labels.tolist() == [i + 1 if s < last else 0 for i, s in enumerate(want)], cu
+
+
+def _agree_case(rng: random.Random) -> dict[str, torch.Tensor]:
+    """Pad-free ids with positions that restart at their documents, then maybe nudged: an
+    extra restart, a missing one, one moved (same count), none at all, shared or strided;
+    on one row sometimes Hugging Face's ``seq_idx`` too (maybe disagreeing)."""
+    bsz, seq = rng.choice([1, 1, 2, 3]), rng.randint(2, 16)
+    rows = []
+    for _ in range(bsz):
+        row, doc = [], 1
+        while len(row) < seq:
+            row += [doc] * rng.randint(1, 5)
+            doc += 1
+        rows.append(row[:seq])
+    ids = torch.tensor(rows)
+    pos = torch.tensor([[s - r.index(r[s]) for s in range(seq)] for r in rows])
+    change = rng.choice(["none", "extra", "missing", "moved", "arange", "shared", "strided"])
+    b = rng.randrange(bsz)
+    zeros = [s for s in range(1, seq) if pos[b, s] == 0]
+    others = [s for s in range(1, seq) if pos[b, s] != 0]
+    if change == "extra" and others:
+        pos[b, rng.choice(others)] = 0
+    elif change == "missing" and zeros:
+        pos[b, rng.choice(zeros)] = 7
+    elif change == "moved" and zeros and others:
+        pos[b, rng.choice(zeros)] = 7
+        pos[b, rng.choice(others)] = 0
+    elif change == "arange":
+        pos = torch.arange(seq).expand(bsz, seq).clone()
+    elif change == "shared":  # one [1, S] row of positions for every row of ids
+        ids = ids[:1].expand(bsz, seq).clone()
+        pos = pos[:1]
+    elif change == "strided":
+        pos = torch.stack([pos, pos], dim=2)[:, :, 0]  # a non-contiguous view
+    batch = {"input_ids": torch.ones(bsz, seq, dtype=torch.long), "_packed_seq_ids": ids,
+             "position_ids": pos}
+    if bsz == 1 and rng.random() < 0.4:  # a third source, compared with the ids on runs
+        batch["seq_idx"] = (ids - 1).to(torch.int32)
+        if rng.random() < 0.3:
+            batch["seq_idx"][0, rng.randrange(seq)] = 0
+    return batch
+
+
+def _outcome(batch: dict[str, torch.Tensor]) -> tuple[str, Any]:
+    try:
+        docs = resolve_documents(batch)
+    except CPBatchError as exc:
+        return "refused", str(exc)
+    return "ids", (docs.ids.tolist(), docs.sources)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_positions_checked_against_one_source_as_when_read_as_runs(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one other source and no pad, restarting positions are checked by a count and a
+    gather: the documents, the sources named and every refusal (its message, so the token it
+    names) must be what reading the positions as runs gives, and the truth's."""
+    import cp_core.batch.documents as documents
+
+    rng = random.Random(7000 + seed)
+    kinds = set()
+    answers: list[bool | None] = []
+    real_check = documents.positions_agree
+
+    def counted(pos: torch.Tensor, starts: Any) -> bool | None:
+        answers.append(real_check(pos, starts))
+        return answers[-1]
+
+    for trial in range(300):
+        batch = _agree_case(rng)
+        with monkeypatch.context() as m:
+            m.setattr(documents, "positions_agree", counted)
+            fast = _outcome({k: v.clone() for k, v in batch.items()})
+        with monkeypatch.context() as m:
+            m.setattr(documents, "positions_agree", lambda pos, starts: False)
+            slow = _outcome({k: v.clone() for k, v in batch.items()})
+        assert fast == slow, (trial, batch)
+        shape = batch["_packed_seq_ids"].shape
+        kind, want = truth({**batch, "position_ids": batch["position_ids"].expand(shape)})
+        kinds.add(kind)
+        if kind == "ids":
+            assert fast[0] == "ids" and fast[1][0] == want, (trial, batch)
+        else:
+            assert fast[0] == "refused", (trial, batch)
+    assert kinds == {"ids", "conflict"}
+    # Every answer of the short check was taken: agreeing, no restarts, and handed back.
+    assert {True, None, False} <= set(answers), answers

@@ -49,8 +49,8 @@ from cp_core.batch.doc_runs import (
 from cp_core.batch.hf_keys import HF_COLLATOR_KEYS
 from cp_core.batch.normalise import resolve_primary
 from cp_core.batch.read_sources import caller_pad, position_source, read_sources
-from cp_core.batch.source_runs import SourceRuns, single_document_runs
-from cp_core.batch.sources import ids_from_position_ids, validate_document_ids
+from cp_core.batch.source_runs import SourceRuns, positions_agree, single_document_runs
+from cp_core.batch.sources import ids_from_position_ids, position_rows, validate_document_ids
 from cp_core.errors import CPBatchError
 
 #: Keys that only describe documents, in caller coordinates: a sharder reads them here and
@@ -247,14 +247,26 @@ def resolve_documents(batch: Mapping[str, Any], *, sentinel: int | None = DEFAUL
         docs = Documents(implicit, (), device=device)
         docs._sources = lambda: (docs.runs(), state["sources"])[1]
         return docs
-    by_position = position_source(batch, bsz, seq)
-    if by_position is not None:
-        found["position_ids"] = by_position
     caller = caller_pad(batch, bsz, seq)
     pads = {n: src.pad_intervals() for n, src in found.items() if n in _PAD_SOURCES}
     _refuse_contradictions(batch, pads, caller, bsz, seq)
     source_pad = bool(pads)
     pad = merge_intervals([*caller.values(), *pads.values()])
+    if pad[0].size == 0:
+        # No pad (NeMo's and the flattening collator's forms): the other sources are
+        # compared on their runs, and the positions agree when they restart at exactly
+        # those starts: one count and one gather, not a reading as runs. Positions come
+        # last in the comparison order, so a refusal below names what it always named.
+        starts = _refuse_disagreement(found, pads, pad, seq) if len(found) > 1 \
+            else next(iter(found.values())).starts
+        pos = position_rows(batch.get("position_ids"), bsz, seq)
+        agree = None if pos is None else positions_agree(pos, starts)
+        if agree is not False:
+            names = (*found, "position_ids") if agree else tuple(found)
+            return Documents(DocRuns(starts, pad, bsz, seq), names, source_pad, device)
+    by_position = position_source(batch, bsz, seq)
+    if by_position is not None:
+        found["position_ids"] = by_position
     first = next(iter(found.values()))
     starts = _refuse_disagreement(found, pads, pad, seq) if len(found) > 1 \
         else document_starts(first, pad)

@@ -220,6 +220,30 @@ def position_runs(pos: torch.Tensor) -> SourceRuns | None:
     return SourceRuns("position_ids", starts, labels, bsz, seq)
 
 
+def positions_agree(pos: torch.Tensor, starts: np.ndarray) -> bool | None:
+    """Whether ``[B, S]`` positions restart (go back to 0 after a row's first token) exactly
+    at the flat run ``starts`` of another source (which include every row start): True when
+    they do, None when they never restart (they are then no document source), False when
+    they differ or cannot be checked this way (device tensors, strided rows): the caller then
+    reads them as runs (:func:`position_runs`) and reports where.
+
+    One count of the non-zero positions and one gather at the starts: no ``[B, S]``
+    comparison, no search for the zeros.
+    """
+    bsz, seq = int(pos.shape[0]), int(pos.shape[1])
+    if seq < 2 or not _on_host(pos) or (bsz > 1 and not pos.is_contiguous()):
+        return False
+    rows = pos.detach().numpy()
+    after_first = rows[:, 1:]
+    zeros = after_first.size - int(np.count_nonzero(after_first))
+    if zeros == 0:
+        return None
+    inner = starts[starts % seq != 0]  # the row starts are starts of both
+    if zeros != inner.size:
+        return False
+    return bool((rows.reshape(-1)[inner] == 0).all())
+
+
 def single_document_runs(batch_size: int, seq_len: int) -> SourceRuns:
     """One document per row (the rule when no source is given)."""
     return SourceRuns("single_document", row_starts(batch_size, seq_len),
@@ -267,6 +291,7 @@ __all__ = [
     "row_starts",
     "value_runs",
     "id_runs",
+    "positions_agree",
     "sequence_index_runs",
     "position_runs",
     "single_document_runs",
