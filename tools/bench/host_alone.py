@@ -6,7 +6,7 @@ shards between them), interleaved with the Megatron-style floor.
 process CPU time of shard + entering/leaving the context, median after warm-up. Prints a table;
 ``--profile`` adds a cProfile of each backend (by own time). ``--forms A,B,...`` instead
 times the backends on several forms, interleaved repeat by repeat with each form's floor, and
-prints each form's cost over the first form's (issue 29's ``x_position_form`` without the
+prints each form's cost over the first form's (the host table's ``x_position_form`` without the
 other backends between the two).
 """
 
