@@ -40,7 +40,7 @@ def _tables(runs: RankRuns, rank: int) -> tuple[Any, ...]:
     got = runs.cache.get(key)
     if got is None:
         me, everyone, others = RunTable.split(runs, rank)
-        got = runs.cache[key] = (_lists(me), _lists(everyone), _lists(others), me)
+        got = runs.cache[key] = (_lists(me), _lists(everyone), _lists(others))
     return got
 
 
@@ -82,7 +82,7 @@ def few_passes(rows: np.ndarray, runs: RankRuns, rank: int
     too many runs or too many rectangles touch them for this path to pay."""
     if runs.starts[rank].size > FEW_RUNS:
         return None
-    (ms, me_, ml, _), (es, ee, el, eo), (os_, oe, ol, oo), _ = _tables(runs, rank)
+    (ms, me_, ml, _), (es, ee, el, eo), (os_, oe, _, oo) = _tables(runs, rank)
     # Pass A: rectangles whose queries touch this rank's runs.
     cand_a = _touching(rows[:, 1], rows[:, 2], ms, me_)
     # Pass B: rectangles whose keys touch them.
