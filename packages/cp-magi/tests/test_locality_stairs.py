@@ -22,7 +22,7 @@ from cp_core.registry import build_sharder
 from cp_magi.locality.bins import FREE
 from cp_magi.locality.lean import round_robin_recv
 from cp_magi.locality.solver import _measure, solve
-from cp_magi.locality.stairs import search, stairs
+from cp_magi.locality.stairs import _everything, search, stairs
 from cp_magi.locality.units import Units, build_units, kind_model
 
 KINDS: dict[str, dict[str, Any]] = {
@@ -258,3 +258,35 @@ def test_recut_keeps_tokens_and_moves_work_where_the_ranks_need_it() -> None:
     after, _ = truth_counts(allowed, indices)
     assert ranks.work.tolist() == after
     assert max(after) <= 1.01 * mean, (before, after)
+
+
+def test_no_search_where_no_long_unit_fits_as_a_stair() -> None:
+    """One document of 1.5 ranks' share carrying 7.5 times the mean work, beside 2-row
+    documents, on 8 ranks of 128: it fits as a stair under no bound the search may reach
+    (round_robin's busiest rank, 128 rows here), so every construction would be the sand
+    fill cutting it where the ranks' shares end. The search returns nothing (it used to
+    level that fill, the costliest levelling, for a placement the sweep beats), and the
+    solver's placement is still exact, balanced and counted as the truth counts it."""
+    from cp_magi.locality.stairs import VARIANTS, lays_any, long_units
+
+    lengths = [192] + [2] * 416
+    cp, per_rank = 8, 128
+    padded = cp * per_rank
+    units = row_units(lengths, padded, "causal")
+    mean = units.total_work / cp
+    rr = round_robin_recv(units, cp)
+    long_ = long_units(units, per_rank, mean * 1.005, _everything(units))
+    assert long_.tolist() == [0]
+    assert not any(lays_any(units, cp, per_rank, mean, 0.01, rr, lean, long_)
+                   for lean, _ in VARIANTS)
+    assert search(units, cp, per_rank, mean, 0.01, 192 - per_rank, rr, float("inf"),
+                  partial_measure(units)) is None
+    placement = solve(units, cp)
+    assert placement.method != "stairs"
+    indices = [torch.from_numpy(np.concatenate(
+        [np.arange(s, s + n) for s, n in zip(st.tolist(), ln.tolist())]))
+        for st, ln in zip(placement.runs.starts, placement.runs.lengths)]
+    assert_exact_partition(indices, padded, cp)
+    work, recv = truth_counts(truth_allowed(lengths, padded, "causal"), indices)
+    assert max(work) <= 1.01 * sum(work) / cp
+    assert placement.recv.tolist() == recv and placement.work.tolist() == work

@@ -43,7 +43,14 @@ def reshape(length: int, tokens: list[int], goals: list[float]) -> list[tuple[Pa
         a = round((h * y - h * (h - 1) / 2 - goal) / span) if span > 0 else h
         a = min(max(a, 0), h)
         b = h - a
-        out.append(tuple(p for p in ((x, x + a), (y - b, y)) if p[1] > p[0]))
+        # The non-empty ones of the head and the tail (this runs thousands of times per
+        # placement: no generator).
+        if a > 0 and b > 0:
+            out.append(((x, x + a), (y - b, y)))
+        elif a > 0:
+            out.append(((x, x + a),))
+        else:
+            out.append(((y - b, y),) if b > 0 else ())
         x, y = x + a, y - b
     return out
 

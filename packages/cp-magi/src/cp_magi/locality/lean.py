@@ -27,6 +27,8 @@ only when it is balanced and receives least.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 import numpy as np
 
 from cp_magi.locality.anchors import Material, slice_anchor
@@ -213,20 +215,24 @@ def round_robin_recv(units: Units, cp: int) -> int:
     c = units.stream_len // (2 * cp)
     if c == 0 or units.lengths.size == 0:
         return 0
-    ends = units.starts + units.lengths
+    # Plain lists and bisect: numpy's per-call cost is most of this loop's time.
+    starts: list[int] = units.starts.tolist()
+    sizes: list[int] = units.lengths.tolist()
+    ends = [s + n for s, n in zip(starts, sizes)]
+    recv = units.model.recv
     best = 0
     for r in range(cp):
         per: dict[int, list[Part]] = {}
         for lo in (r * c, (2 * cp - 1 - r) * c):
             hi = lo + c
-            i0 = int(np.searchsorted(ends, lo, side="right"))
-            i1 = int(np.searchsorted(units.starts, hi, side="left"))
+            i0 = bisect_right(ends, lo)
+            i1 = bisect_left(starts, hi)
             for u in range(i0, i1):
-                a = max(lo, int(units.starts[u])) - int(units.starts[u])
-                b = min(hi, int(ends[u])) - int(units.starts[u])
+                a = max(lo, starts[u]) - starts[u]
+                b = min(hi, ends[u]) - starts[u]
                 if b > a:
                     per.setdefault(u, []).append((a, b))
-        got = sum(units.model.recv(int(units.lengths[u]), p) for u, p in per.items())
+        got = sum(recv(sizes[u], p) for u, p in per.items())
         best = max(best, got)
     return best
 

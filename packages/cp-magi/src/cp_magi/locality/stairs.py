@@ -30,7 +30,11 @@ cuts it where the ranks' shares end.
 least: feasibility is not monotone in ``R`` (a loose bound lets the first slices take few
 rows and leaves the later ones too dense), and the sand's cuts make the outcome differ from
 the bound either way. Placements that cannot beat the caller's best are dropped before the
-levelling (the fill only adds received rows).
+levelling (the fill only adds received rows). Where not one long unit fits as a stair under
+the loosest bound the search reaches (:func:`lays_any`, every variant), there is no search:
+each construction would be the sand fill with the long units cut anywhere, whose levelling
+costs most (the 128K-token row of seed 4321 at cp 8: three levellings of about 15 ms, for
+placements the sweep beats).
 """
 
 from __future__ import annotations
@@ -101,6 +105,63 @@ def _offers(ranks: Bins, recv: np.ndarray, start: int, cap: float, rho: float, b
     return out
 
 
+class _Stairway:
+    """The ranks while stairs are laid on them under one bound: their holdings, the rows
+    their slices receive, where the next stair starts, the stairs of several slices laid so
+    far (in order), and what is not placed yet (a slice's rank fills its other slots with
+    it, at its mean density, scaled by ``lean``)."""
+
+    def __init__(self, units: Units, cp: int, t: int, mean: float, cap: float, bound: int,
+                 lean: float) -> None:
+        self.units, self.t, self.cap, self.bound, self.lean = units, t, cap, bound, lean
+        self.ranks = Bins.empty(np.full(cp, t, np.int64), np.full(cp, mean, np.float64))
+        self.recv = np.zeros(cp, np.int64)
+        self.at = 0
+        self.laid: list[tuple[int, list[tuple[int, int]]]] = []
+        self.left_work = float(units.total_work)
+        self.left_tokens = float(cp * t)
+
+    def lay(self, u: int) -> bool:
+        """Lay unit ``u`` as a stair from where the last one ended; False when it does not
+        fit under the bound (nor under a tighter one), nothing then changes."""
+        units, model = self.units, self.units.model
+        n, w = int(units.lengths[u]), int(units.work[u])
+        rho = self.lean * (self.left_work - w) / max(self.left_tokens - n, 1.0)
+        got = None
+        # A looser bound lets the first slices hold fewer rows, which leaves more (and
+        # denser) rows to the later ones: where the bound does not fit, tighter ones may.
+        least = max(0, n - self.t) if model.graded else 0
+        for limit in sorted({self.bound, (self.bound + least) // 2, least}, reverse=True):
+            if limit > self.bound:
+                continue
+            offers = _offers(self.ranks, self.recv, self.at, self.cap, rho, limit)
+            got = (graded_slices(u, n, offers) if model.graded
+                   else piece_slices(model, u, n, offers)) if offers else None
+            if got is not None:
+                break
+        if got is None:
+            return False
+        for r, s in got:
+            for a, b in s.parts:
+                self.ranks.add(r, u, a, b, 0)
+            self.ranks.work[r] += s.work
+            self.recv[r] += s.recv
+        self.at = got[-1][0]  # the next stair starts where this one ended
+        if len(got) > 1:
+            self.laid.append((u, [(r, sl.tokens) for r, sl in got]))
+        self.left_work -= w
+        self.left_tokens -= n
+        return True
+
+
+def lays_any(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: int,
+             lean: float, long_: np.ndarray) -> bool:
+    """True when at least one of the units ``long_`` is laid as a stair under ``bound``
+    (or a tighter bound it falls back to), laid in order as :func:`stairs` lays them."""
+    way = _Stairway(units, cp, t, mean, mean * (1 + tolerance / 2), bound, lean)
+    return len([u for u in long_.tolist() if way.lay(u)]) > 0
+
+
 def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: int,
            lean: float = 1.0, sand_share: float = SAND, beat: float = float("inf"),
            seen: set[tuple] | None = None, long_: np.ndarray | None = None
@@ -119,44 +180,8 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     if long_ is None:
         long_ = long_units(units, t, cap, _everything(units))
     rest = np.setdiff1d(np.arange(units.lengths.size), long_)
-    ranks = Bins.empty(np.full(cp, t, np.int64), np.full(cp, mean, np.float64))
-    recv = np.zeros(cp, np.int64)
-    # What is not placed yet: a slice's rank fills its other slots with it, at its mean
-    # density (this unit aside).
-    left_work = float(units.total_work)
-    left_tokens = float(cp * t)
-    at = 0
-    laid: list[tuple[int, list[tuple[int, int]]]] = []  # stairs of several slices, in order
-
-    def lay(u: int) -> bool:
-        nonlocal at, left_work, left_tokens
-        n, w = int(units.lengths[u]), int(units.work[u])
-        rho = lean * (left_work - w) / max(left_tokens - n, 1.0)
-        got = None
-        # A looser bound lets the first slices hold fewer rows, which leaves more (and
-        # denser) rows to the later ones: where the bound does not fit, tighter ones may.
-        least = max(0, n - t) if model.graded else 0
-        for limit in sorted({bound, (bound + least) // 2, least}, reverse=True):
-            if limit > bound:
-                continue
-            offers = _offers(ranks, recv, at, cap, rho, limit)
-            got = (graded_slices(u, n, offers) if model.graded
-                   else piece_slices(model, u, n, offers)) if offers else None
-            if got is not None:
-                break
-        if got is None:
-            return False
-        for r, s in got:
-            for a, b in s.parts:
-                ranks.add(r, u, a, b, 0)
-            ranks.work[r] += s.work
-            recv[r] += s.recv
-        at = got[-1][0]  # the next stair starts where this one ended
-        if len(got) > 1:
-            laid.append((u, [(r, sl.tokens) for r, sl in got]))
-        left_work -= w
-        left_tokens -= n
-        return True
+    way = _Stairway(units, cp, t, mean, cap, bound, lean)
+    ranks, recv, laid, lay = way.ranks, way.recv, way.laid, way.lay
 
     # A long unit whose stair does not fit goes to the sand (cut where the ranks need it).
     spilled = [u for u in long_.tolist() if not lay(u)]
@@ -179,8 +204,8 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     # A stone no rank takes whole is laid as a stair too (the pour would cut it anywhere,
     # and the holder of its later rows would receive up to all of it).
     for u in sorted(left, key=lambda v: (-int(units.lengths[v]), v)):
-        left_work = float(units.work[u]) + float(units.work[sand].sum())
-        left_tokens = float(units.lengths[u]) + float(units.lengths[sand].sum()) + \
+        way.left_work = float(units.work[u]) + float(units.work[sand].sum())
+        way.left_tokens = float(units.lengths[u]) + float(units.lengths[sand].sum()) + \
             float(free.sum())
         if not lay(u):
             spilled.append(u)
@@ -245,6 +270,15 @@ def search(units: Units, cp: int, t: int, mean: float, tolerance: float, least: 
     seen: set[tuple] = set()
     # The same for every construction (the cap is the stairs' own, as in :func:`stairs`).
     long_ = long_units(units, t, mean * (1 + tolerance / 2), _everything(units))
+    if long_.size and not any(lays_any(units, cp, t, mean, tolerance,
+                                       max(least, int(min(reference, beat))), lean, long_)
+                              for lean, _ in VARIANTS):
+        # Not one long unit fits as a stair under the loosest bound the search reaches (nor
+        # the tighter ones a stair falls back to): every construction would be the sand fill
+        # with the long units cut where the ranks' shares end, which the constructions
+        # before the stairs already try; its levelling is the costliest (the long units'
+        # work has to be spread by pair moves).
+        return None
     bound = least
     while bound < beat and bound <= max(least, int(reference)):
         if best is not None and bound > TOP * reference:
@@ -265,5 +299,5 @@ def search(units: Units, cp: int, t: int, mean: float, tolerance: float, least: 
     return None if best is None else best[1:]
 
 
-__all__ = ["stairs", "search", "long_units", "SAND", "VARIANTS", "GRID", "TOP", "POURED_OVER",
+__all__ = ["stairs", "search", "long_units", "lays_any", "SAND", "VARIANTS", "GRID", "TOP", "POURED_OVER",
            "RECUTS"]

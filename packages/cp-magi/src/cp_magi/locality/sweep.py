@@ -165,8 +165,8 @@ def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: flo
     # Edges near the two ends of the runs: the unit edges before and after each.
     cands = {best}
     for x, sign in ((lo_end + best, 1), (hi_end - (t - best), -1)):
-        i = int(np.searchsorted(line.ct, x, side="right")) - 1
-        for edge in line.ct[max(i - 1, 0):i + 3].tolist():
+        i = bisect_right(line._ct, x) - 1  # the plain list: numpy's per-call cost
+        for edge in line._ct[max(i - 1, 0):i + 3]:
             d = edge - lo_end if sign > 0 else t - (hi_end - edge)
             if 0 <= d <= t and lo_end + d <= hi_end - (t - d):
                 cands.add(int(d))
@@ -179,11 +179,11 @@ def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: flo
 
 def _cut_cost(line: Line, x: int) -> int:
     """Rows the cut at line place ``x`` costs at least (the smaller side of the unit)."""
-    i = int(np.searchsorted(line.ct, x, side="right")) - 1
-    if i >= line.ids.size or int(line.ct[i]) == x or line.ids[i] < 0:
+    i = bisect_right(line._ct, x) - 1  # plain lists: numpy's per-call cost
+    if i >= len(line._ids) or line._ct[i] == x or line._ids[i] < 0:
         return 0
-    s = x - int(line.ct[i])
-    return min(s, int(line.lengths[i]) - s)
+    s = x - line._ct[i]
+    return min(s, line._len[i] - s)
 
 
 def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
@@ -224,6 +224,10 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
     gains are light; :func:`cp_magi.locality.expand.reshape`). Token counts stay; a
     hand-over is kept when it lowers the busiest of these ranks and no rank passes ``cap``."""
     model = units.model
+    work, recv = model.work, model.recv  # looked up once: score() calls them thousands of times
+    # Plain ints (numpy scalar indexing per unit is most of recv_of's and work_of's cost).
+    sizes: list[int] = units.lengths.tolist()
+    works: list[int] = units.work.tolist()
     holders: dict[int, list[int]] = {}
     for r, held in enumerate(holdings):
         for u in held:
@@ -231,20 +235,20 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
                 holders.setdefault(u, []).append(r)
     out = [dict(h) for h in holdings]
     whole: dict[int, int] = {u: rs[0] for u, rs in holders.items()
-                             if len(rs) == 1 and out[rs[0]][u] == [(0, int(units.lengths[u]))]}
+                             if len(rs) == 1 and out[rs[0]][u] == [(0, sizes[u])]}
 
     def recv_of(held: Holding, skip: int) -> int:
-        return sum(model.recv(int(units.lengths[v]), ps) for v, ps in held.items()
+        return sum(recv(sizes[v], ps) for v, ps in held.items()
                    if v != FREE and v != skip)
 
     def work_of(held: Holding, skip: int) -> int:
-        return sum(model.work(int(units.lengths[v]), a, b) for v, ps in held.items()
+        return sum(work(sizes[v], a, b) for v, ps in held.items()
                    if v != FREE and v != skip for a, b in ps)
 
-    for u, rs in sorted(holders.items(), key=lambda x: (-int(units.lengths[x[0]]), x[0])):
+    for u, rs in sorted(holders.items(), key=lambda x: (-sizes[x[0]], x[0])):
         if len(rs) < 2:
             continue
-        length = int(units.lengths[u])
+        length = sizes[u]
         # Front to back: the outer holder (most rows) first, as the rings cut them.
         rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
         tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
@@ -259,9 +263,14 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
             shapes = reshape(length, tok, gl)
             worst = 0.0
             for i, parts in enumerate(shapes):
-                if ow[i] + sum(model.work(length, a, b) for a, b in parts) > cap:
+                w = ow[i]
+                for a, b in parts:  # at most a head and a tail: no generator
+                    w += work(length, a, b)
+                if w > cap:
                     return None
-                worst = max(worst, orr[i] + model.recv(length, parts))
+                got = orr[i] + recv(length, parts)
+                if got > worst:
+                    worst = got
                 if worst >= beat:
                     return None
             return worst, shapes
@@ -272,9 +281,9 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
         best, shapes = first
         moved: list[tuple[int, int]] = []
         movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
-                         key=lambda v: (-int(units.lengths[v]), v))
+                         key=lambda v: (-sizes[v], v))
         for v in movable:
-            n, w = int(units.lengths[v]), int(units.work[v])
+            n, w = sizes[v], works[v]
             j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
             if tokens[j] <= n:
                 continue
