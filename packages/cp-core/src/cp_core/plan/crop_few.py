@@ -4,8 +4,9 @@ A head-tail layout gives a rank two runs and a contiguous one one; then only the
 rectangles that overlap them produce boxes (a dozen on a 128K row with a hundred documents),
 and numpy's per-call overhead over the forty-odd array operations of a crop costs more than
 the boxes themselves. Here the rectangles are narrowed with one array comparison per run,
-and the boxes are cropped and tightened with Python integers, with exactly the arithmetic
-of :func:`cp_core.plan.crop._crop_rows` (``tests/plan/test_crop_few.py`` holds the two equal).
+and the boxes are cropped with Python integers and tightened by the Python definition
+(:func:`cp_core.plan.pieces._tighten`), which is what :func:`cp_core.plan.crop._crop_rows`
+computes with arrays (``tests/plan/test_crop_few.py`` holds the two equal).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from cp_core.placement.runs import RankRuns
+from cp_core.plan.pieces import _tighten
 from cp_core.plan.rects import INF
 from cp_core.plan.run_table import RunTable
 
@@ -51,22 +53,6 @@ def _touching(lo: np.ndarray, hi: np.ndarray, start: list[int], end: list[int]
     for a, e in zip(start, end):
         hit |= (lo < e) & (hi > a)
     return np.flatnonzero(hit)
-
-
-def _tighten(a: int, e: int, c: int, f: int, dlo: int, dhi: int
-             ) -> tuple[int, int, int, int, int, int] | None:
-    """``_crop_rows``' tightening of query rows ``[a, e)`` over keys ``[c, f)`` (global)."""
-    if dlo > dhi or c >= f:
-        return None
-    q0, q1 = max(a, c - dhi), min(e, f - dlo)
-    k0, k1 = max(c, q0 + dlo), min(f, q1 + dhi)
-    if q0 >= q1 or k0 >= k1:
-        return None
-    if q0 + dhi >= k1 - 1:
-        dhi = INF
-    if q1 - 1 + dlo <= k0:
-        dlo = -INF
-    return q0, q1, k0, k1, dlo, dhi
 
 
 def _key_range(a: int, e: int, ks: int, ke: int, dlo: int, dhi: int) -> tuple[int, int]:
