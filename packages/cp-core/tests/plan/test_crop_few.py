@@ -10,6 +10,8 @@ with the same ranges; and both must equal the per-triple definition
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,17 +22,8 @@ from cp_core.plan.crop import schedule_parts
 from cp_core.plan.rects import document_rects
 from cp_core.testing.reference_plan import build_schedule, rank_runs
 
-
-def _random_ids(rng: random.Random, bsz: int, seq: int) -> torch.Tensor:
-    ids = torch.zeros(bsz, seq, dtype=torch.long)
-    for b in range(bsz):
-        pos, doc = 0, 1
-        while pos < seq:
-            n = rng.randint(1, max(1, seq // 2))
-            ids[b, pos:pos + n] = doc if rng.random() > 0.15 else 0
-            doc += 1
-            pos += n
-    return ids
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_crop import _random_ids  # noqa: E402  (the same random documents as there)
 
 
 def _few_run_layout(rng: random.Random, seq: int, cp: int) -> torch.Tensor:
