@@ -28,27 +28,8 @@ from host_batch import FORMS, batch_forms, build_from_spec, clone_batch
 def time_alone(names: list[str], form: str, seed: int, repeats: int, warmup: int
                ) -> dict[str, float]:
     """Median seconds per case (``names`` and ``"floor"``), one of each in turn per repeat."""
-    batch = batch_forms(build_from_spec(host_specs(False, seed)[0]))[form]
-    sharders = {n: make_sharder(n, CP) for n in names}
-    samples: dict[str, list[float]] = {n: [] for n in [*names, "floor"]}
-
-    def once(n: str) -> float:
-        b = clone_batch(batch)
-        t0 = time.process_time()
-        if n == "floor":
-            megatron_floor(b)
-        else:
-            factory, _ = sharders[n].shard(b)
-            with factory():
-                pass
-        return time.process_time() - t0
-
-    for i in range(warmup + repeats):
-        for n in samples:
-            dt = once(n)
-            if i >= warmup:
-                samples[n].append(dt)
-    return {n: statistics.median(xs) for n, xs in samples.items()}
+    med = time_forms(names, [form], seed, repeats, warmup)
+    return {n: t for (_, n), t in med.items()}
 
 
 def time_forms(names: list[str], forms: list[str], seed: int, repeats: int, warmup: int
