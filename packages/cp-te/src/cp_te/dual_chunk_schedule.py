@@ -21,9 +21,10 @@ document's length; the rest is pad the mask never reads), query chunk ``a`` sees
 Both patterns are the same for every ``s`` below ``r`` (above ``r``), so two tables per rank
 give every ring step. Rank ``cp-1``'s two chunks are consecutive in the stream too, so its
 own document is one causal square; every other rank computes head square, tail x head and
-tail square (a one-row square is a FULL piece, as the generic builder cuts it). These are exactly the pieces, ranges and order the generic builder gives (held
-to it by ``tests/test_dual_chunk_schedule.py``); any other mask (windows, chunked, full,
-pad holes) or a rectangle list that is not one causal rectangle per document falls back to it.
+tail square (a one-row square is a FULL piece, as the generic builder cuts it). These are
+exactly the pieces, ranges and order the generic builder gives (held to it by
+``tests/test_dual_chunk_schedule.py``); any other mask (windows, chunked, full, pad holes) or
+a rectangle list that is not one causal rectangle per document falls back to it.
 """
 
 from __future__ import annotations
@@ -64,27 +65,19 @@ def _ranges(start: np.ndarray, end: np.ndarray) -> Ranges:
     return list(zip(start.tolist(), end.tolist()))
 
 
-def _columns(b: int, q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray
-             ) -> tuple[list[int], ...]:
-    """The columns of FULL pieces but their source, as lists (converted once, zipped with
-    each source's number)."""
+def _columns(b: int, q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
+             kind: int = FULL) -> tuple[list[int], ...]:
+    """The columns of pieces but their source, as lists (converted once, then zipped with
+    each source's number by :func:`_pieces`; ``dlo``/``dhi`` off)."""
     n = q0.size
-    return ([b] * n, q0.tolist(), q1.tolist(), k0.tolist(), k1.tolist(), [FULL] * n,
+    return ([b] * n, q0.tolist(), q1.tolist(), k0.tolist(), k1.tolist(), [kind] * n,
             [-INF] * n, [INF] * n)
 
 
-def _full_pieces(cols: tuple[list[int], ...], src: int) -> list[PieceTuple]:
-    """FULL pieces of ``cols`` (see :func:`_columns`) over keys from ``src``."""
+def _pieces(cols: tuple[list[int], ...], src: int) -> list[PieceTuple]:
+    """Plain piece tuples of ``cols`` (see :func:`_columns`) over keys from ``src``."""
     b, q0, q1, k0, k1, kind, dlo, dhi = cols
     return list(zip(b, q0, q1, [src] * len(b), k0, k1, kind, dlo, dhi))
-
-
-def _tuples(b: int, q0: np.ndarray, q1: np.ndarray, src: int, k0: np.ndarray, k1: np.ndarray,
-            kind: int) -> list[PieceTuple]:
-    """Plain piece tuples (``dlo``/``dhi`` off), zipped from column lists in C."""
-    n = q0.size
-    return list(zip([b] * n, q0.tolist(), q1.tolist(), [src] * n, k0.tolist(), k1.tolist(),
-                    [kind] * n, [-INF] * n, [INF] * n))
 
 
 @dataclass(frozen=True)
@@ -154,7 +147,7 @@ class DualChunkSchedule:
         for i in range(1, n):
             src, dst = (r - i) % n, (r + i) % n
             ranges, cols = (low_recv, low_cols) if src < r else (up_recv, up_cols)
-            pieces = _full_pieces(cols, src) if ranges else []
+            pieces = _pieces(cols, src) if ranges else []
             # What dst reads of ours: r is one of its lower or upper sources.
             if r < dst:
                 keep = fill[dst] > 0
@@ -178,12 +171,12 @@ class DualChunkSchedule:
             m = mh + mt
             sq, one = m > 1, m == 1
             q0, q1 = off[sq], (off + m)[sq]
-            return (_tuples(b, q0, q1, r, q0, q1, CAUSAL)
-                    + _tuples(b, off[one], off[one] + 1, r, off[one], off[one] + 1, FULL))
+            return (_pieces(_columns(b, q0, q1, q0, q1, CAUSAL), r)
+                    + _pieces(_columns(b, off[one], off[one] + 1, off[one], off[one] + 1), r))
         q0 = np.stack((off, off + c), axis=1)
         m = np.stack((mh, mt), axis=1)
         sq = m > 1
-        causal = _tuples(b, q0[sq], (q0 + m)[sq], r, q0[sq], (q0 + m)[sq], CAUSAL)
+        causal = _pieces(_columns(b, q0[sq], (q0 + m)[sq], q0[sq], (q0 + m)[sq], CAUSAL), r)
         # FULL pieces per document: the one-row head square, then the tail rows over the
         # head (and over the tail's one key when the tail has one row); both start at the
         # head's first key, the first ending before the second.
@@ -192,7 +185,7 @@ class DualChunkSchedule:
         fk1 = np.stack((off + 1, off + c + (mt == 1)), axis=1)
         keep = np.stack((mh == 1, mt > 0), axis=1)
         k0 = np.stack((off, off), axis=1)[keep]
-        return causal + _tuples(b, fq0[keep], fq1[keep], r, k0, fk1[keep], FULL)
+        return causal + _pieces(_columns(b, fq0[keep], fq1[keep], k0, fk1[keep]), r)
 
 
 __all__ = ["DualChunkSchedule"]
