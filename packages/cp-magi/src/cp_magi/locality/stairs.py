@@ -159,7 +159,9 @@ def lays_any(units: Units, cp: int, t: int, mean: float, tolerance: float, bound
     """True when at least one of the units ``long_`` is laid as a stair under ``bound``
     (or a tighter bound it falls back to), laid in order as :func:`stairs` lays them."""
     way = _Stairway(units, cp, t, mean, mean * (1 + tolerance / 2), bound, lean)
-    return len([u for u in long_.tolist() if way.lay(u)]) > 0
+    # The units before the first that fits are laid (and refused) as stairs() lays them:
+    # stopping there answers the same.
+    return any(way.lay(u) for u in long_.tolist())
 
 
 def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: int,
