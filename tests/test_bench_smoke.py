@@ -159,6 +159,8 @@ def test_locality_fields(results: dict[str, dict]) -> None:
         assert r["recv_busiest_mean"] >= 0 and r["rows"] >= 1
         if r["backend"] == "round_robin":  # every ratio is over round_robin's busiest rank
             assert r["busiest_vs_rr_mean"] == pytest.approx(1.0)
+        if r["work_worst"] <= 1.01:  # balanced on every row: none beats the floor
+            assert r["busiest_vs_rr_mean"] >= r["bound_vs_rr_mean"] - 1e-9, r
     assert results["locality"]["timed"], "no measured attention call"
 
 

@@ -28,12 +28,14 @@ only when it is balanced and receives least.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
 
 import numpy as np
 
 from cp_magi.locality.anchors import Material, slice_anchor
 from cp_magi.locality.bins import FREE, Bins, level, pour, work_of
 from cp_magi.locality.expand import reshape
+from cp_magi.locality.slicing import Slice
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.units import Part, Units
 
@@ -123,8 +125,36 @@ def _level(units: Units, held: list[Holding], cap: np.ndarray, need: np.ndarray,
     return bins.parts
 
 
-def lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[Holding] | None:
-    """Every rank's holdings by the direct construction (module docstring), or None."""
+@dataclass(frozen=True)
+class LeanPlan:
+    """Step 1 of the direct construction: the long units sliced over their groups, and what
+    the fill must bring to every rank (module docstring).
+
+    Attributes:
+        groups: ``(unit, slices)`` per long unit, in rank order.
+        fill: the units left to the fill.
+        cap: ``[cp]`` tokens of fill per rank.
+        need: ``[cp]`` work of fill per rank.
+    """
+
+    groups: list[tuple[int, list[Slice]]]
+    fill: np.ndarray
+    cap: np.ndarray
+    need: np.ndarray
+
+    def floor(self, units: Units) -> int:
+        """Key rows the busiest rank of the finished placement receives at least: the
+        holder of a sliced unit's last row receives every row of it it does not hold, and
+        the fill keeps every slice's token count (only the cut between head and tail moves),
+        so at least ``L`` less the largest slice's tokens."""
+        return max((int(units.lengths[u]) - max(x.tokens for x in sl)
+                    for u, sl in self.groups if len(sl) > 1), default=0)
+
+
+def lean_plan(units: Units, cp: int, t: int, mean: float, tolerance: float
+              ) -> LeanPlan | None:
+    """Step 1 of the direct construction (module docstring), or None where it does not
+    apply."""
     model = units.model
     if not model.graded:
         return None
@@ -149,7 +179,7 @@ def lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[H
         if k is None:
             return None
     cap = mean * (1 + tolerance / 2)
-    groups: list[tuple[int, list]] = []
+    groups: list[tuple[int, list[Slice]]] = []
     for u in long_.tolist():
         got = slice_anchor(model, u, int(units.lengths[u]), int(units.work[u]), k[u], t,
                            mean, cap)
@@ -163,19 +193,29 @@ def lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[H
     n_free = cp - len(slot_tokens)
     if n_free < 0:
         return None
-    cap_t = np.asarray(slot_tokens + [0] * n_free, np.int64)
-    cap_t = t - cap_t
+    cap_t = t - np.asarray(slot_tokens + [0] * n_free, np.int64)
     need = mean - np.asarray(slot_work + [0] * n_free, np.float64)
     fill = np.setdiff1d(np.arange(units.lengths.size), long_)
     if int(cap_t.sum()) != int(units.lengths[fill].sum()) + free_fill:
         return None
-    held = _fill(units, fill, cap_t, need, tolerance * mean / 4)
-    out = _assemble(units, groups, held, mean)
+    return LeanPlan(groups, fill, cap_t, need)
+
+
+def lean_fill(units: Units, plan: LeanPlan, mean: float, tolerance: float) -> list[Holding]:
+    """Steps 2 and 3 of the direct construction (module docstring): every rank's holdings."""
+    held = _fill(units, plan.fill, plan.cap, plan.need, tolerance * mean / 4)
+    out = _assemble(units, plan.groups, held, mean)
     if _balanced(units, out, mean, tolerance):
         return out
     # Off by more than the tolerance: pair moves of the fill, then the slices cut again.
-    held = _level(units, held, cap_t, need, fill, tolerance * mean / 4)
-    return _assemble(units, groups, held, mean)
+    held = _level(units, held, plan.cap, plan.need, plan.fill, tolerance * mean / 4)
+    return _assemble(units, plan.groups, held, mean)
+
+
+def lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[Holding] | None:
+    """Every rank's holdings by the direct construction (module docstring), or None."""
+    plan = lean_plan(units, cp, t, mean, tolerance)
+    return None if plan is None else lean_fill(units, plan, mean, tolerance)
 
 
 def _balanced(units: Units, out: list[Holding], mean: float, tolerance: float) -> bool:
@@ -237,4 +277,4 @@ def round_robin_recv(units: Units, cp: int) -> int:
     return best
 
 
-__all__ = ["lean", "group_sizes", "round_robin_recv", "SAND"]
+__all__ = ["lean", "lean_plan", "lean_fill", "LeanPlan", "group_sizes", "round_robin_recv", "SAND"]

