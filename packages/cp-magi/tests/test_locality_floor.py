@@ -135,8 +135,43 @@ def test_lean_fill_skipped_only_where_its_slices_cannot_beat_the_best(monkeypatc
     real = solver_mod.lean_fill
     monkeypatch.setattr(solver_mod, "lean_fill",
                         lambda *a, **k: fills.append(1) or real(*a, **k))
+    direct = solver_mod._Direct(units, cp, t, mean, 0.01)
     room = plan.floor(units) / solver_mod.LEAN_ROOM
-    assert solver_mod._lean(units, cp, t, mean, 0.01, beat=room * 0.999) is None
+    assert direct(0.08, beat=room * 0.999) is None
     assert not fills
-    assert solver_mod._lean(units, cp, t, mean, 0.01, beat=room * 1.01) is not None
+    assert direct(0.08, beat=room * 1.01) is not None
     assert fills == [1]
+
+
+def test_quick_solve_keeps_the_best_sand_share_of_the_direct_construction() -> None:
+    # Where the sweep receives more than round_robin, every sand share of the direct
+    # construction is tried: the answer receives no more than the best balanced one, and on
+    # some rows a later share beats the first.
+    from cp_magi.locality.lean import round_robin_recv
+    from cp_magi.locality.sweep import sweep
+
+    later_wins = 0
+    for cp, units in _rows(20, (4, 8)):
+        t, mean = 1024, units.total_work / cp
+        rr = round_robin_recv(units, cp)
+        work, recv = _measure(units, sweep(units, cp, t, 0.005))
+        if float(work.max()) <= mean * 1.01 and int(recv.max()) <= rr:
+            continue
+        plan = lean_plan(units, cp, t, mean, 0.01)
+        if plan is None or plan.floor(units) >= solver_mod.LEAN_ROOM * int(recv.max()):
+            continue  # the fill is skipped (tested above)
+        got = {}
+        for sand in solver_mod.LEAN_SANDS:  # in order, up to the first at most round_robin
+            w, r = _measure(units, lean_fill(units, plan, mean, 0.01, sand))
+            if float(w.max()) <= mean * 1.01:
+                got[sand] = int(r.max())
+                if got[sand] <= rr:
+                    break
+        if not got:
+            continue
+        placed = solve(units, cp)
+        assert placed.balance <= 1.01
+        assert int(placed.recv.max()) <= min(got.values())
+        first = got.get(solver_mod.LEAN_SANDS[0], float("inf"))
+        later_wins += min(got.values()) < first
+    assert later_wins >= 1

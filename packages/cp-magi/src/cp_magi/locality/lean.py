@@ -93,12 +93,12 @@ def _fill_ok(units: Units, long_: np.ndarray, k: dict[int, int], t: int, mean: f
 
 
 def _fill(units: Units, fill: np.ndarray, cap: np.ndarray, need: np.ndarray,
-          slack: float) -> list[Holding]:
+          slack: float, sand: float) -> list[Holding]:
     """Whole fill units, then the sand poured, onto slots of ``cap`` tokens and ``need``
     work (module docstring, step 2)."""
     order = fill[np.lexsort((fill, units.lengths[fill]))]  # shortest first
     total = int(units.lengths[fill].sum())
-    n_sand = int(np.searchsorted(np.cumsum(units.lengths[order]), SAND * total)) + 1
+    n_sand = int(np.searchsorted(np.cumsum(units.lengths[order]), sand * total)) + 1
     bins = Bins.empty(cap.astype(np.int64), need.astype(np.float64))
     left = place_stones(bins, units, order[n_sand:], slack)
     pieces = [(int(u), 0, int(units.lengths[u]))
@@ -109,7 +109,7 @@ def _fill(units: Units, fill: np.ndarray, cap: np.ndarray, need: np.ndarray,
 
 
 def _level(units: Units, held: list[Holding], cap: np.ndarray, need: np.ndarray,
-           fill: np.ndarray, slack: float) -> list[Holding]:
+           fill: np.ndarray, slack: float, sand: float) -> list[Holding]:
     """Pair moves of whole fill units and sand between slots (:func:`bins.level`)."""
     bins = Bins.empty(cap, need)
     for b, h in enumerate(held):
@@ -118,10 +118,9 @@ def _level(units: Units, held: list[Holding], cap: np.ndarray, need: np.ndarray,
                 bins.add(b, u, a, c, work_of(units, u, a, c))
     cut = {u for h in held for u, parts in h.items() if u != FREE and (
         len(parts) > 1 or parts[0] != (0, int(units.lengths[u])))}
-    small = np.quantile(units.lengths[fill], min(1.0, 4 * SAND)) if fill.size else 0
+    small = np.quantile(units.lengths[fill], min(1.0, 4 * sand)) if fill.size else 0
     whole_small = fill[units.lengths[fill] <= small]
-    sand = np.asarray(sorted(cut | set(whole_small.tolist())), np.int64)
-    level(bins, units, sand, slack)
+    level(bins, units, np.asarray(sorted(cut | set(whole_small.tolist())), np.int64), slack)
     return bins.parts
 
 
@@ -201,14 +200,16 @@ def lean_plan(units: Units, cp: int, t: int, mean: float, tolerance: float
     return LeanPlan(groups, fill, cap_t, need)
 
 
-def lean_fill(units: Units, plan: LeanPlan, mean: float, tolerance: float) -> list[Holding]:
-    """Steps 2 and 3 of the direct construction (module docstring): every rank's holdings."""
-    held = _fill(units, plan.fill, plan.cap, plan.need, tolerance * mean / 4)
+def lean_fill(units: Units, plan: LeanPlan, mean: float, tolerance: float,
+              sand: float = SAND) -> list[Holding]:
+    """Steps 2 and 3 of the direct construction (module docstring): every rank's holdings,
+    the shortest ``sand`` of the fill's tokens kept back as sand."""
+    held = _fill(units, plan.fill, plan.cap, plan.need, tolerance * mean / 4, sand)
     out = _assemble(units, plan.groups, held, mean)
     if _balanced(units, out, mean, tolerance):
         return out
     # Off by more than the tolerance: pair moves of the fill, then the slices cut again.
-    held = _level(units, held, plan.cap, plan.need, plan.fill, tolerance * mean / 4)
+    held = _level(units, held, plan.cap, plan.need, plan.fill, tolerance * mean / 4, sand)
     return _assemble(units, plan.groups, held, mean)
 
 

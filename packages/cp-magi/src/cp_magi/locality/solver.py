@@ -7,8 +7,9 @@ sweep (:mod:`cp_magi.locality.sweep`: one pass over the units, numpy cumulative 
 round_robin's on the same stream is the answer (host time near magi's; ``search=True``
 with ``effort="full"`` searches on below that, down to :data:`EARLY` of round_robin).
 Otherwise the direct construction (:mod:`cp_magi.locality.lean`: one pass over the units),
-unless its sliced long units alone show it cannot receive less than :data:`LEAN_ROOM` of the
-sweep (the fill, most of its host time, is then skipped);
+its fill made with each sand share of :data:`LEAN_SANDS` in turn until one receives no more
+than round_robin, unless its sliced long units alone show it cannot receive less than
+:data:`LEAN_ROOM` of the best so far (the fill, most of its host time, is then skipped);
 with ``effort="quick"`` (the default) the better of the two is the answer when either is
 balanced, and only when neither is, or with ``effort="full"``, two searched constructions
 follow; of the balanced placements the one whose busiest rank receives least wins:
@@ -61,7 +62,7 @@ from cp_magi.locality.anchors import Material, allocate
 from cp_magi.locality.bins import FREE, Bins, level, pour
 from cp_magi.locality.expand import expand_anchor
 from cp_magi.locality.floor import recv_floor
-from cp_magi.locality.lean import lean_fill, lean_plan, round_robin_recv
+from cp_magi.locality.lean import SAND, LeanPlan, lean_fill, lean_plan, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
 from cp_magi.locality.stairs import search as stairs_search
@@ -80,12 +81,18 @@ PACK_GRID = 8
 EARLY = 0.8
 #: Search on past a balanced sweep that receives no more than round_robin (module docstring).
 SEARCH = False
+#: Sand shares of the direct construction's fill, tried in turn while the best placement
+#: so far receives more than round_robin (or none balances): which share balances, and
+#: with the fewest rows cut from the fill's units, moves from row to row without a pattern
+#: (development rows, cp 8: the better of the sweep and the direct construction 0.927 of
+#: round_robin's busiest rank with the first share alone, 0.885 with all four).
+LEAN_SANDS: tuple[float, ...] = (SAND, 0.03, 0.15, 0.3)
 #: Constructions ``effort="quick"`` tries before it takes a balanced placement: the sweep and
-#: the direct construction. On held-back rows (``tools/bench/run.py locality``) the searched
-#: constructions after them lowered the busiest rank's rows at cp 8 only (0.891 -> 0.863 of
-#: round_robin's, mean of 10 rows) and never at cp 4, 16 or 32, at up to 30x the host time
-#: (305 ms against 22 ms worst at cp 32).
-QUICK_TRIES = 2
+#: the direct construction with each sand share. On held-back rows (``tools/bench/run.py
+#: locality``) the searched constructions after them lowered the busiest rank's rows at cp 8
+#: only (0.891 -> 0.863 of round_robin's, mean of 10 rows, with one sand share) and never at
+#: cp 4, 16 or 32, at up to 30x the host time (305 ms against 22 ms worst at cp 32).
+QUICK_TRIES = 1 + len(LEAN_SANDS)
 
 #: The direct construction's fill (most of its host time: about 9 ms of its 10 at 128K
 #: tokens, cp 8) runs only when its sliced long units leave it room to receive less than
@@ -265,16 +272,32 @@ def _packed(units: Units, cp: int, t: int, mean: float, tolerance: float, fracti
     return ranks.parts
 
 
-def _lean(units: Units, cp: int, t: int, mean: float, tolerance: float,
-          beat: float = float("inf")) -> list[Holding] | None:
-    """The direct construction, or None when its slices alone show that it cannot receive
-    less than :data:`LEAN_ROOM` of ``beat`` (the best balanced placement so far)."""
-    plan = lean_plan(units, cp, t, mean, tolerance)
-    if plan is None:
-        raise ValueError("the direct construction does not apply")
-    if plan.floor(units) >= LEAN_ROOM * beat:
-        return None
-    return lean_fill(units, plan, mean, tolerance)
+class _Direct:
+    """The direct construction's plan (:func:`lean_plan`), made once, filled with each sand
+    share in turn."""
+
+    def __init__(self, units: Units, cp: int, t: int, mean: float, tolerance: float) -> None:
+        self.units, self.cp, self.t, self.mean, self.tolerance = units, cp, t, mean, tolerance
+        self._plan: LeanPlan | None = None
+        self._made = False
+
+    def plan(self) -> LeanPlan | None:
+        """The plan (None where the construction does not apply)."""
+        if not self._made:
+            self._plan = lean_plan(self.units, self.cp, self.t, self.mean, self.tolerance)
+            self._made = True
+        return self._plan
+
+    def __call__(self, sand: float, beat: float = float("inf")) -> list[Holding] | None:
+        """The placement with ``sand`` of the fill kept back as sand, or None when the
+        sliced long units alone show that it cannot receive less than :data:`LEAN_ROOM` of
+        ``beat`` (the best balanced placement so far)."""
+        plan = self.plan()
+        if plan is None:
+            raise ValueError("the direct construction does not apply")
+        if plan.floor(self.units) >= LEAN_ROOM * beat:
+            return None
+        return lean_fill(self.units, plan, self.mean, self.tolerance, sand)
 
 
 def _sweep(units: Units, cp: int, t: int, tolerance: float) -> list[Holding]:
@@ -308,8 +331,9 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
             tries.append(partial(_packed, units, cp, t, mean, tolerance, fraction, bound))
     tries += [partial(_attempt, units, cp, t, mean, tolerance, share, fraction)
               for share, fraction in ATTEMPTS]
-    tries.insert(0, partial(_lean, units, cp, t, mean, tolerance))
-    tries.insert(0, partial(_sweep, units, cp, t, tolerance))
+    direct = _Direct(units, cp, t, mean, tolerance)
+    tries[:0] = [partial(_sweep, units, cp, t, tolerance)] + [partial(direct, sand)
+                                                             for sand in LEAN_SANDS]
     # No layout with equal shares receives less than this (causal: the holder of a unit's
     # last row receives every row of it that it does not hold): the stairs' first bound.
     least = floor if units.model.graded else 0
@@ -331,13 +355,13 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
                                                         and i >= QUICK_TRIES)):
             break
         try:
-            if run.func is _lean and best is not None and not best[0][0]:
+            if run.func is direct and best is not None and not best[0][0]:
                 holdings = run(beat=best[0][1])
             else:
                 holdings = run()
         except ValueError:  # more slices than ranks: nothing to place them on
             continue
-        if holdings is None:  # cannot beat the best so far by enough (_lean)
+        if holdings is None:  # cannot beat the best so far by enough (_Direct)
             continue
         work = np.asarray([_work(units, h) for h in holdings], np.int64)
         recv = np.asarray([_recv(units, h) for h in holdings], np.int64)
@@ -345,7 +369,7 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
         balanced = worst <= 1.0 + tolerance
         key = (not balanced, float(recv.max()) if balanced else worst)
         if best is None or key < best[0]:
-            method = {_packed: "pack", _attempt: "groups", _lean: "direct",
+            method = {_packed: "pack", _attempt: "groups", direct: "direct",
                       _sweep: "sweep"}.get(run.func, "dispatch")
             best = (key, holdings, work, recv, method)
     assert best is not None
