@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cp_magi.locality.slicing import Offer, Slice, graded_slices, piece_slices
-from cp_magi.locality.units import KindModel, Units
+from cp_magi.locality.units import KindModel, Units, others
 
 #: Coarse grid of bounds (fractions of the unit) scanned before the bisection.
 GRID = 16
@@ -153,7 +153,7 @@ def allocate(units: Units, cp: int, t: int, mean: float, cap: float
             break
         del k[u]
     anchors = np.asarray(sorted(k), np.int64)
-    rest = np.setdiff1d(np.arange(units.lengths.size), anchors)
+    rest = others(units.lengths.size, anchors)
     material = Material.of(np.concatenate([units.lengths[rest], free]),
                            np.concatenate([units.work[rest], np.zeros(free.size, np.int64)]))
     slack = (cap - mean) * cp * 0.5

@@ -37,7 +37,7 @@ from cp_magi.locality.bins import FREE, Bins, level, pour, work_of
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.stones import place_stones
-from cp_magi.locality.units import Part, Units
+from cp_magi.locality.units import Part, Units, others
 
 Holding = dict[int, list[Part]]
 #: Share of the fill's tokens kept back as sand (the shortest fill units).
@@ -80,7 +80,7 @@ def _fill_ok(units: Units, long_: np.ndarray, k: dict[int, int], t: int, mean: f
              ) -> bool:
     """Whether every group's fill can be as light as its ranks need: its fill work at least
     the work of as many of the lightest fill tokens."""
-    rest = np.setdiff1d(np.arange(units.lengths.size), long_)
+    rest = others(units.lengths.size, long_)
     free = [int(units.stream_len - units.lengths.sum())]
     free = free if free[0] > 0 else []  # pad slots: fill of no work
     material = Material.of(np.concatenate([units.lengths[rest], np.asarray(free, np.int64)]),
@@ -194,7 +194,7 @@ def lean_plan(units: Units, cp: int, t: int, mean: float, tolerance: float
         return None
     cap_t = t - np.asarray(slot_tokens + [0] * n_free, np.int64)
     need = mean - np.asarray(slot_work + [0] * n_free, np.float64)
-    fill = np.setdiff1d(np.arange(units.lengths.size), long_)
+    fill = others(units.lengths.size, long_)
     if int(cap_t.sum()) != int(units.lengths[fill].sum()) + free_fill:
         return None
     return LeanPlan(groups, fill, cap_t, need)

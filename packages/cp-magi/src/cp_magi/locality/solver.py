@@ -68,7 +68,7 @@ from cp_magi.locality.pack import pack
 from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.sweep import sweep
-from cp_magi.locality.units import Part, Units
+from cp_magi.locality.units import Part, Units, others
 
 #: Anchor groups: (share of the tolerance the slices may use, sand fraction).
 ATTEMPTS: tuple[tuple[float, float], ...] = ((0.5, 0.15), (0.5, 0.3), (0.0, 0.3), (-1.0, 0.5))
@@ -157,7 +157,7 @@ def split_sand(units: Units, fraction: float, anchors: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray]:
     """``(sand, stones)``: the shortest non-anchor units up to ``fraction`` of all tokens
     (counting the free slots as sand first), and the other non-anchor units."""
-    rest = np.setdiff1d(np.arange(units.lengths.size), anchors)
+    rest = others(units.lengths.size, anchors)
     order = rest[np.lexsort((rest, units.lengths[rest]))]
     free = int((units.free[:, 1] - units.free[:, 0]).sum()) if units.free.size else 0
     want = fraction * units.stream_len - free

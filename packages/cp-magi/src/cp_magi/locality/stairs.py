@@ -48,7 +48,7 @@ from cp_magi.locality.bins import FREE, Bins, level, pour
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.slicing import Offer, graded_slices, piece_slices
 from cp_magi.locality.stones import place_stones
-from cp_magi.locality.units import Part, Units
+from cp_magi.locality.units import Part, Units, others
 
 Holding = dict[int, list[Part]]
 Measure = Callable[[list[Holding]], tuple[np.ndarray, np.ndarray]]
@@ -181,7 +181,7 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
     if long_ is None:
         long_ = long_units(units, t, cap, _everything(units))
-    rest = np.setdiff1d(np.arange(units.lengths.size), long_)
+    rest = others(units.lengths.size, long_)
     way = _Stairway(units, cp, t, mean, cap, bound, lean)
     ranks, recv, laid, lay = way.ranks, way.recv, way.laid, way.lay
 
