@@ -259,3 +259,16 @@ def test_direct_construction_partitions_the_stream(cp: int) -> None:
                     n += b - a
             assert n == per_rank, (cp, seed, n)
         assert (cover == 1).all(), (cp, seed)
+
+
+def test_others_is_the_complement_in_order() -> None:
+    from cp_magi.locality.units import others
+
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        n = int(rng.integers(0, 40))
+        ids = rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False) if n else \
+            np.zeros(0, np.int64)
+        want = [i for i in range(n) if i not in set(ids.tolist())]
+        got = others(n, np.asarray(ids, np.int64))
+        assert got.tolist() == want and got.dtype.kind == "i"
