@@ -87,3 +87,39 @@ def test_sweep_equal_shares_balanced_few_cuts(kind: str, cp: int) -> None:
         holdings = sum(len(set(piece[idx[idx < piece.size].numpy()].tolist()))
                        for idx in indices)
         assert holdings - len(set(piece.tolist())) <= 2 * cp, (kind, cp, seed)
+
+
+def test_cut_score_is_reshape_then_count() -> None:
+    # The hand-over's fused score against reshape followed by the kind model's counts.
+    from cp_magi.locality.expand import reshape
+    from cp_magi.locality.sweep import _cut_score
+    from cp_magi.locality.units import kind_model
+
+    model = kind_model("causal", None)
+    rng = np.random.default_rng(12)
+    seen = {"none": 0, "value": 0}
+    for _ in range(3000):
+        length = int(rng.integers(1, 400))
+        k = int(rng.integers(1, 6))
+        cuts = np.sort(rng.choice(np.arange(1, length), size=min(k - 1, length - 1),
+                                  replace=False)) if length > 1 else np.zeros(0, np.int64)
+        tok = np.diff(np.concatenate(([0], cuts, [length]))).tolist()
+        gl = [float(rng.uniform(0, length * t)) for t in tok]
+        ow = [int(x) for x in rng.integers(0, 5000, size=len(tok))]
+        orr = [int(x) for x in rng.integers(0, 300, size=len(tok))]
+        cap = float(rng.uniform(0, length * length))
+        beat = float(rng.choice([float("inf"), float(rng.integers(0, 600))]))
+        want: float | None = 0.0
+        for parts, w0, r0 in zip(reshape(length, tok, gl), ow, orr):
+            w = w0 + sum(model.work(length, a, b) for a, b in parts)
+            if w > cap:
+                want = None
+                break
+            want = max(want, r0 + model.recv(length, parts))
+            if want >= beat:
+                want = None
+                break
+        got = _cut_score(length, tok, gl, ow, orr, cap, beat)
+        assert got == want, (length, tok, gl, ow, orr, cap, beat)
+        seen["none" if got is None else "value"] += 1
+    assert min(seen.values()) > 300, seen

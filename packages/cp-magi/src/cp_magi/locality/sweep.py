@@ -19,7 +19,7 @@ the units (numpy) and ``cp`` bisections: no search.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -91,12 +91,13 @@ class Line:
         out: list[tuple[int, int, int]] = []
         if y <= x:
             return out
-        i0 = int(np.searchsorted(self.ct, x, side="right")) - 1
-        i1 = int(np.searchsorted(self.ct, y, side="left"))
+        ct = self._ct  # plain lists: numpy's per-call cost is most of this loop's time
+        i0 = bisect_right(ct, x) - 1
+        i1 = bisect_left(ct, y)
         for i in range(i0, i1):
-            c0 = int(self.ct[i])
-            s, e = max(x, c0) - c0, min(y, int(self.ct[i + 1])) - c0
-            u, length = int(self.ids[i]), int(self.lengths[i])
+            c0 = ct[i]
+            s, e = max(x, c0) - c0, min(y, ct[i + 1]) - c0
+            u, length = self._ids[i], self._len[i]
             if u < 0:
                 a = int(self.units.free[-1 - u, 0])
                 out.append((FREE, a + s, a + e))
@@ -226,8 +227,11 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
     other holders and takes as many more of this unit's rows, the head-tail cuts set front
     to back so that every holder's work stays what it was (the head rows the outer holder
     gains are light; :func:`cp_magi.locality.expand.reshape`). Token counts stay; a
-    hand-over is kept when it lowers the busiest of these ranks and no rank passes ``cap``."""
+    hand-over is kept when it lowers the busiest of these ranks and no rank passes ``cap``.
+    Causal kinds only (the head-tail cut is theirs); other kinds come back as they were."""
     model = units.model
+    if not model.graded:
+        return [dict(h) for h in holdings]
     work, recv = model.work, model.recv  # looked up once: score() calls them thousands of times
     # Plain ints (numpy scalar indexing per unit is most of recv_of's and work_of's cost).
     sizes: list[int] = units.lengths.tolist()
@@ -241,13 +245,12 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
     whole: dict[int, int] = {u: rs[0] for u, rs in holders.items()
                              if len(rs) == 1 and out[rs[0]][u] == [(0, sizes[u])]}
 
-    def recv_of(held: Holding, skip: int) -> int:
-        return sum(recv(sizes[v], ps) for v, ps in held.items()
-                   if v != FREE and v != skip)
-
-    def work_of(held: Holding, skip: int) -> int:
-        return sum(work(sizes[v], a, b) for v, ps in held.items()
-                   if v != FREE and v != skip for a, b in ps)
+    # Every rank's work and received rows, kept up to date as units move and are cut again
+    # (a holder's other material is its total less the unit's share: summing it afresh per
+    # unit and holder was a third of this function's time).
+    rank_w = [sum(work(sizes[v], a, b) for v, ps in held.items() if v != FREE for a, b in ps)
+              for held in out]
+    rank_r = [sum(recv(sizes[v], ps) for v, ps in held.items() if v != FREE) for held in out]
 
     for u, rs in sorted(holders.items(), key=lambda x: (-sizes[x[0]], x[0])):
         if len(rs) < 2:
@@ -256,28 +259,18 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
         # Front to back: the outer holder (most rows) first, as the rings cut them.
         rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
         tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
-        goals = [float(sum(model.work(length, a, b) for a, b in out[r][u])) for r in rs]
-        other_w = [work_of(out[r], u) for r in rs]
-        other_r = [recv_of(out[r], u) for r in rs]
+        own_w = [sum(work(length, a, b) for a, b in out[r][u]) for r in rs]
+        own_r = [recv(length, out[r][u]) for r in rs]
+        goals = [float(w) for w in own_w]
+        other_w = [rank_w[r] - w for r, w in zip(rs, own_w)]
+        other_r = [rank_r[r] - v for r, v in zip(rs, own_r)]
 
         def score(tok: list[int], gl: list[float], ow: list[int], orr: list[int],
                   beat: float = float("inf")) -> tuple[float, list] | None:
             """The busiest holder's rows and the shapes, or None when a holder passes
             ``cap`` or the busiest is no better than ``beat`` (either way not taken)."""
-            shapes = reshape(length, tok, gl)
-            worst = 0.0
-            for i, parts in enumerate(shapes):
-                w = ow[i]
-                for a, b in parts:  # at most a head and a tail: no generator
-                    w += work(length, a, b)
-                if w > cap:
-                    return None
-                got = orr[i] + recv(length, parts)
-                if got > worst:
-                    worst = got
-                if worst >= beat:
-                    return None
-            return worst, shapes
+            worst = _cut_score(length, tok, gl, ow, orr, cap, beat)
+            return None if worst is None else (worst, reshape(length, tok, gl))
 
         first = score(tokens, goals, other_w, other_r)
         if first is None:
@@ -286,9 +279,11 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
         moved: list[tuple[int, int]] = []
         movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
                          key=lambda v: (-sizes[v], v))
+        # The receiving holder: the one with most rows (tokens change only when a move is
+        # kept, so it is found again only then).
+        j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
         for v in movable:
             n, w = sizes[v], works[v]
-            j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
             if tokens[j] <= n:
                 continue
             tok, gl = list(tokens), list(goals)
@@ -302,16 +297,63 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
             best, shapes = got
             tokens, goals, other_w = tok, gl, ow
             moved.append((v, j))
+            j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
         for v, j in moved:
             out[rs[j]][v] = out[rs[0]].pop(v)
             whole[v] = rs[j]
+            rank_w[rs[0]] -= works[v]  # a whole unit receives nothing
+            rank_w[rs[j]] += works[v]
         for i, r in enumerate(rs):
             parts = [p for p in shapes[i] if p[1] > p[0]]
             if parts:
                 out[r][u] = _merged(list(parts))
             else:
                 out[r].pop(u, None)
+            rank_w[r] += sum(work(length, a, b) for a, b in parts) - own_w[i]
+            rank_r[r] += (recv(length, out[r][u]) if parts else 0) - own_r[i]
     return out
+
+
+def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr: list[int],
+               cap: float, beat: float) -> float | None:
+    """The busiest holder's received rows when a causal unit of ``length`` rows is cut by
+    :func:`cp_magi.locality.expand.reshape` with ``tok`` rows and ``gl`` work per holder,
+    each holder also carrying ``ow`` work and receiving ``orr`` rows for its other units;
+    None when a holder's work passes ``cap`` or the busiest reaches ``beat``. The same cut
+    as reshape, step for step, without building the shapes: a hand-over is tried dozens of
+    times per unit and kept a few."""
+    x, y = 0, length
+    last = len(tok) - 1
+    worst = 0.0
+    for i in range(last + 1):
+        h = tok[i]
+        if i == last or h >= y - x:
+            # One part (x, y): reshape's last slice (or one that takes all that is left).
+            w = ow[i] + (y * (y + 1) - x * (x + 1)) // 2
+            got = orr[i] + y - (y - x)
+            x = y
+        else:
+            span = y - x - h
+            a = round((h * y - h * (h - 1) / 2 - gl[i]) / span) if span > 0 else h
+            a = min(max(a, 0), h)
+            b = h - a
+            w = ow[i]
+            top = 0
+            if a > 0:
+                w += ((x + a) * (x + a + 1) - x * (x + 1)) // 2
+                top = x + a
+            if b > 0:
+                w += (y * (y + 1) - (y - b) * (y - b + 1)) // 2
+                top = y
+            got = orr[i] + top - (a + b if top else 0)
+            x, y = x + a, y - b
+        if w > cap:
+            return None
+        if got > worst:
+            worst = got
+        if worst >= beat:
+            return None
+    return worst
 
 
 def _merged(parts: list[Part]) -> list[Part]:
