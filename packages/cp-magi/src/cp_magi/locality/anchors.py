@@ -20,6 +20,7 @@ grid that fits: a looser bound can fit worse).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,12 @@ class Material:
         return cls(np.concatenate(([0.0], np.cumsum(tokens[order], dtype=np.float64))),
                    np.concatenate(([0.0], np.cumsum(work[order], dtype=np.float64))))
 
+    def __post_init__(self) -> None:
+        # Plain lists for the scalar look-ups (thousands per construction: numpy's per-call
+        # cost was most of each; the same float64 arithmetic either way).
+        object.__setattr__(self, "_ct", self.ct.tolist())
+        object.__setattr__(self, "_cw", self.cw.tolist())
+
     @property
     def tokens(self) -> float:
         """Tokens of all the material."""
@@ -55,12 +62,13 @@ class Material:
 
     def lightest(self, x: float) -> float:
         """Work of the lightest ``x`` tokens."""
-        x = min(max(x, 0.0), self.tokens)
-        i = min(int(np.searchsorted(self.ct, x, side="right")) - 1, self.ct.size - 2)
+        ct, cw = self._ct, self._cw
+        x = min(max(x, 0.0), ct[-1])
+        i = min(bisect_right(ct, x) - 1, len(ct) - 2)
         if i < 0:
             return 0.0
-        span = self.ct[i + 1] - self.ct[i]
-        return float(self.cw[i] + (x - self.ct[i]) * (self.cw[i + 1] - self.cw[i]) / span)
+        span = ct[i + 1] - ct[i]
+        return float(cw[i] + (x - ct[i]) * (cw[i + 1] - cw[i]) / span)
 
     def densest(self, x: float) -> float:
         """Work of the densest ``x`` tokens."""

@@ -71,7 +71,7 @@ class Bins:
 
 def work_of(units: Units, u: int, lo: int, hi: int) -> int:
     """Work of rows ``[lo, hi)`` of unit ``u`` (0 for free slots)."""
-    return 0 if u == FREE else units.model.work(int(units.lengths[u]), lo, hi)
+    return 0 if u == FREE else units.model.work(units.sizes[u], lo, hi)
 
 
 class SandLine:
@@ -81,12 +81,12 @@ class SandLine:
 
     def __init__(self, units: Units, pieces: list[Piece]) -> None:
         self.units = units
-        keyed = sorted(((-work_of(units, *p) / (p[2] - p[1]), p) for p in pieces
-                        if p[2] > p[1]))
-        self.pieces = [p for _, p in keyed]
+        # Each piece's work once (a pair move builds a line of two bins' sand every time).
+        keyed = sorted((-w / (p[2] - p[1]), p, w) for p, w in
+                       ((p, work_of(units, *p)) for p in pieces if p[2] > p[1]))
+        self.pieces = [p for _, p, _ in keyed]
         lens = np.fromiter((b - a for _, a, b in self.pieces), np.int64, len(self.pieces))
-        works = np.fromiter((work_of(units, *p) for p in self.pieces), np.int64,
-                            len(self.pieces))
+        works = np.fromiter((w for _, _, w in keyed), np.int64, len(self.pieces))
         self.ct = np.concatenate(([0], np.cumsum(lens)))
         self.cw = np.concatenate(([0], np.cumsum(works)))
         # Plain lists for the scalar look-ups (numpy's per-call cost is most of a look-up's
