@@ -98,8 +98,8 @@ QUICK_TRIES = 1 + len(LEAN_SANDS)
 #: tokens, cp 8) runs only when its sliced long units leave it room to receive less than
 #: this share of the best balanced placement so far: the holder of a sliced unit's last row
 #: receives at least the unit less its largest slice, whatever the fill does. On the
-#: development and held-back rows (cp 4-32) its slices were never that close to the sweep's
-#: rows; where it won, it won by 1-40%.
+#: development and held-back rows (cp 4-64) that floor was at most 0.84 of the sweep's rows
+#: where the construction then beat the sweep, and at most 0.97 anywhere.
 LEAN_ROOM = 0.98
 
 #: The stairs (:mod:`cp_magi.locality.stairs`) are searched only when the best placement of
