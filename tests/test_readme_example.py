@@ -14,11 +14,35 @@ from readme_runs import document_loss_sum, readme_example, torchrun  # noqa: E40
 pytestmark = pytest.mark.multirank
 
 
+#: Before the README's code: the process groups of every device mesh it makes are watched
+#: through weak references.
+WATCH = """import weakref as _weakref
+import torch.distributed.device_mesh as _dm
+_groups = []
+_mesh = _dm.init_device_mesh
+def _watch_mesh(*a, **k):
+    m = _mesh(*a, **k)
+    _groups.extend(_weakref.ref(m.get_group(i)) for i in range(m.ndim))
+    return m
+_dm.init_device_mesh = _watch_mesh
+"""
+#: After it: how many are still alive once the script's own teardown is done.
+REPORT = """
+print(f"groups alive {sum(r() is not None for r in _groups)} of {len(_groups)}", flush=True)
+"""
+
+
 def test_readme_training_step_runs(tmp_path: Path) -> None:
     script = tmp_path / "train_step.py"
-    script.write_text(readme_example("## A training step with a sharder"))
+    script.write_text(WATCH + readme_example("## A training step with a sharder") + REPORT)
     proc = torchrun(script, 4)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # The mesh's groups are freed (their gloo worker threads joined) by the script's teardown,
+    # before the interpreter exits: a group alive at exit can abort the process when one of
+    # its threads releases a finished collective's tensors after Python has begun to shut
+    # down. With the mesh at module level they all were still alive here.
+    alive = re.findall(r"groups alive (\d+) of (\d+)", proc.stdout)
+    assert len(alive) == 4 and all(a == "0" and n == "2" for a, n in alive), proc.stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 3, proc.stdout
     # Rank 0 prints replica 0's share of the dp x cp token mean; the same three AdamW steps
