@@ -187,3 +187,23 @@ def test_cp_core_hf_imports_without_trl(monkeypatch: pytest.MonkeyPatch) -> None
     assert "CPTrainer" in namespace and "CPSFTTrainer" not in namespace
     with pytest.raises(ImportError, match=r"cp-core\[trl\]"):
         hf.CPSFTTrainer
+
+
+def test_cached_meshes_are_released_at_exit() -> None:
+    # The Trainer's meshes are cached for the process; the exit hook drops them (and the
+    # process groups they hold) while the interpreter is whole. Run in a fresh interpreter:
+    # the hook must be registered by importing the module, and must free what it held.
+    import subprocess
+
+    code = (
+        "import atexit, gc, weakref\n"
+        "from cp_core.hf_trainer import topology\n"
+        "class Mesh: pass\n"
+        "m = Mesh(); r = weakref.ref(m); topology._MESHES[('cpu', 1, 1)] = m; del m\n"
+        "atexit._run_exitfuncs(); gc.collect()\n"
+        "print('freed' if r() is None and not topology._MESHES else 'held')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "freed", out.stdout

@@ -16,6 +16,7 @@ never leave the CP ranks of a replica with different data silently.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,18 @@ import torch.distributed as dist
 from cp_core.errors import CPConfigError
 
 _MESHES: dict[tuple[str, int, int], Any] = {}
+
+
+def _release_meshes() -> None:
+    """Drop the cached meshes (and the process groups they hold) while the interpreter is
+    still whole: a gloo group freed during interpreter shutdown can abort the process (a
+    worker thread releasing a finished collective's tensors can no longer take the GIL)."""
+    _MESHES.clear()
+
+
+# At exit, before finalization: destroy_process_group() frees only the groups nothing else
+# holds, and this cache would otherwise hold the Trainer's for the process's lifetime.
+atexit.register(_release_meshes)
 
 
 @dataclass(frozen=True)
