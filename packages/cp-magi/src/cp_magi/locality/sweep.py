@@ -232,7 +232,6 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
     model = units.model
     if not model.graded:
         return [dict(h) for h in holdings]
-    work, recv = model.work, model.recv  # looked up once: score() calls them thousands of times
     # Plain ints (numpy scalar indexing per unit is most of recv_of's and work_of's cost).
     sizes: list[int] = units.lengths.tolist()
     works: list[int] = units.work.tolist()
@@ -247,71 +246,102 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
 
     # Every rank's work and received rows, kept up to date as units move and are cut again
     # (a holder's other material is its total less the unit's share: summing it afresh per
-    # unit and holder was a third of this function's time).
-    rank_w = [sum(work(sizes[v], a, b) for v, ps in held.items() if v != FREE for a, b in ps)
-              for held in out]
-    rank_r = [sum(recv(sizes[v], ps) for v, ps in held.items() if v != FREE) for held in out]
+    # unit and holder was a third of this function's time). The causal counts inline (the
+    # graded kinds' model.work and model.recv): a call per part was most of these sums.
+    rank_w = [_causal_work(held) for held in out]
+    rank_r = [_causal_recv(held) for held in out]
 
-    for u, rs in sorted(holders.items(), key=lambda x: (-sizes[x[0]], x[0])):
-        if len(rs) < 2:
-            continue
+    for u in sorted((u for u, rs in holders.items() if len(rs) > 1),
+                    key=lambda v: (-sizes[v], v)):
         length = sizes[u]
+        own_t = {r: sum(b - a for a, b in out[r][u]) for r in holders[u]}
         # Front to back: the outer holder (most rows) first, as the rings cut them.
-        rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
-        tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
-        own_w = [sum(work(length, a, b) for a, b in out[r][u]) for r in rs]
-        own_r = [recv(length, out[r][u]) for r in rs]
+        rs = sorted(own_t, key=lambda r: (-own_t[r], r))
+        tokens = [own_t[r] for r in rs]
+        own_w = [_causal_work({u: out[r][u]}) for r in rs]
+        own_r = [_causal_recv({u: out[r][u]}) for r in rs]
         goals = [float(w) for w in own_w]
         other_w = [rank_w[r] - w for r, w in zip(rs, own_w)]
         other_r = [rank_r[r] - v for r, v in zip(rs, own_r)]
-
-        def score(tok: list[int], gl: list[float], ow: list[int], orr: list[int],
-                  beat: float = float("inf")) -> tuple[float, list] | None:
-            """The busiest holder's rows and the shapes, or None when a holder passes
-            ``cap`` or the busiest is no better than ``beat`` (either way not taken)."""
-            worst = _cut_score(length, tok, gl, ow, orr, cap, beat)
-            return None if worst is None else (worst, reshape(length, tok, gl))
-
-        first = score(tokens, goals, other_w, other_r)
-        if first is None:
+        best = _cut_score(length, tokens, goals, other_w, other_r, cap, float("inf"))
+        if best is None:
             continue
-        best, shapes = first
-        moved: list[tuple[int, int]] = []
-        movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
-                         key=lambda v: (-sizes[v], v))
-        # The receiving holder: the one with most rows (tokens change only when a move is
-        # kept, so it is found again only then).
-        j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
-        for v in movable:
-            n, w = sizes[v], works[v]
-            if tokens[j] <= n:
-                continue
-            tok, gl = list(tokens), list(goals)
-            ow, orr = list(other_w), list(other_r)
-            tok[0] += n; tok[j] -= n
-            gl[0] += w; gl[j] -= w
-            ow[0] -= w; ow[j] += w
-            got = score(tok, gl, ow, orr, best)
-            if got is None:
-                continue
-            best, shapes = got
-            tokens, goals, other_w = tok, gl, ow
-            moved.append((v, j))
-            j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
+        moved = _hand_over(length, tokens, goals, other_w, other_r, cap, best,
+                           sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
+                                  key=lambda v: (-sizes[v], v)), sizes, works)
         for v, j in moved:
             out[rs[j]][v] = out[rs[0]].pop(v)
             whole[v] = rs[j]
             rank_w[rs[0]] -= works[v]  # a whole unit receives nothing
             rank_w[rs[j]] += works[v]
-        for i, r in enumerate(rs):
-            parts = [p for p in shapes[i] if p[1] > p[0]]
+        # The cut of the last kept hand-over (or of none), built once.
+        for i, (r, shape) in enumerate(zip(rs, reshape(length, tokens, goals))):
+            parts = [p for p in shape if p[1] > p[0]]
             if parts:
-                out[r][u] = _merged(list(parts))
+                out[r][u] = _merged(parts)
+                rank_w[r] += _causal_work({u: parts}) - own_w[i]
+                rank_r[r] += _causal_recv({u: out[r][u]}) - own_r[i]
             else:
                 out[r].pop(u, None)
-            rank_w[r] += sum(work(length, a, b) for a, b in parts) - own_w[i]
-            rank_r[r] += (recv(length, out[r][u]) if parts else 0) - own_r[i]
+                rank_w[r] -= own_w[i]
+                rank_r[r] -= own_r[i]
     return out
+
+
+def _hand_over(length: int, tokens: list[int], goals: list[float], other_w: list[int],
+               other_r: list[int], cap: float, best: float, movable: list[int],
+               sizes: list[int], works: list[int]) -> list[tuple[int, int]]:
+    """The whole units of ``movable`` (the outer holder's, largest first) handed to the
+    holder with most rows, each kept when :func:`_cut_score` is below the best so far, as
+    ``(unit, holder index)``; ``tokens``, ``goals`` and ``other_w`` are left as the kept
+    moves make them. In place, restored after a refused move (most are refused: copying
+    the lists per move cost more than scoring it)."""
+    moved: list[tuple[int, int]] = []
+    last = len(tokens) - 1
+    # The receiving holder: the one with most rows (tokens change only when a move is
+    # kept, so it is found again only then).
+    j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
+    for v in movable:
+        n = sizes[v]
+        tj = tokens[j]
+        if tj <= n:
+            continue
+        w = works[v]
+        t0, g0, gj, o0, oj = tokens[0], goals[0], goals[j], other_w[0], other_w[j]
+        tokens[0], tokens[j] = t0 + n, tj - n
+        goals[0], goals[j] = g0 + w, gj - w
+        other_w[0], other_w[j] = o0 - w, oj + w
+        got = _cut_score(length, tokens, goals, other_w, other_r, cap, best)
+        if got is None:
+            tokens[0], tokens[j] = t0, tj
+            goals[0], goals[j] = g0, gj
+            other_w[0], other_w[j] = o0, oj
+            continue
+        best = got
+        moved.append((v, j))
+        j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
+    return moved
+
+
+def _causal_work(held: Holding) -> int:
+    """Work of ``held``'s unit parts under the causal count (free slots carry none)."""
+    return sum((b * (b + 1) - a * (a + 1)) // 2
+               for v, ps in held.items() if v != FREE for a, b in ps if b > a)
+
+
+def _causal_recv(held: Holding) -> int:
+    """Key rows a holder of ``held`` receives under the causal count: per unit, its top
+    held row less the rows it holds."""
+    total = 0
+    for v, ps in held.items():
+        if v != FREE and ps:
+            top = 0
+            for a, b in ps:
+                total -= b - a
+                if b > top:
+                    top = b
+            total += top
+    return total
 
 
 def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr: list[int],
@@ -330,12 +360,14 @@ def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr:
         if i == last or h >= y - x:
             # One part (x, y): reshape's last slice (or one that takes all that is left).
             w = ow[i] + (y * (y + 1) - x * (x + 1)) // 2
-            got = orr[i] + y - (y - x)
+            got = orr[i] + x  # its top row y less the y - x rows it holds
             x = y
-        else:
-            span = y - x - h
-            a = round((h * y - h * (h - 1) / 2 - gl[i]) / span) if span > 0 else h
-            a = min(max(a, 0), h)
+        else:  # h < y - x: the span is positive
+            a = round((h * y - h * (h - 1) / 2 - gl[i]) / (y - x - h))
+            if a < 0:  # comparisons, not min/max calls: this runs per tried hand-over
+                a = 0
+            elif a > h:
+                a = h
             b = h - a
             w = ow[i]
             top = 0
