@@ -78,16 +78,25 @@ class Line:
 
     def upto(self, x: int) -> int:
         """Work of the first ``x`` rows of the line."""
+        ct = self._ct
         if x <= 0:
             return 0
-        if x >= self._ct[-1]:
+        if x >= ct[-1]:
             return self._cw[-1]
-        i = bisect_right(self._ct, x) - 1
-        return self._cw[i] + self._prefix(i, x - self._ct[i])
+        i = bisect_right(ct, x) - 1
+        n = x - ct[i]  # 0 <= n < the unit's length
+        if n == 0 or self._ids[i] < 0:
+            return self._cw[i]
+        if self._causal:  # _prefix's causal count inline: the bisections call this most
+            length = self._len[i]
+            heads, rest = (n + 1) // 2, length - n // 2
+            return self._cw[i] + (heads * (heads + 1) + length * (length + 1)
+                                  - rest * (rest + 1)) // 2
+        return self._cw[i] + self._prefix(i, n)
 
     def parts(self, x: int, y: int) -> list[tuple[int, int, int]]:
         """``(unit or FREE, lo, hi)`` pieces of line rows ``[x, y)``: unit rows relative to
-        the unit, free slots as stream ranges."""
+        the unit (a head and a tail that touch as one piece), free slots as stream ranges."""
         out: list[tuple[int, int, int]] = []
         if y <= x:
             return out
@@ -105,6 +114,9 @@ class Line:
             # Heads: even line places q -> row q/2; tails: odd q -> row L-1-(q-1)/2.
             h0, h1 = (s + 1) // 2, (e + 1) // 2
             t0, t1 = s // 2, e // 2
+            if h1 > h0 and t1 > t0 and h1 == length - t1:  # they touch: one piece
+                out.append((u, h0, length - t0))
+                continue
             if h1 > h0:
                 out.append((u, h0, h1))
             if t1 > t0:
@@ -126,16 +138,15 @@ def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
         if r == cp - 1:
             d = hi_end - lo_end
         else:
-            d = _count(line, lo_end, hi_end, t, left_work / (cp - r), slack)
+            d, got = _count(line, lo_end, hi_end, t, left_work / (cp - r), slack)
+            left_work -= got
         held: Holding = {}
         for u, a, b in line.parts(lo_end, lo_end + d) + line.parts(hi_end - (t - d), hi_end):
             held.setdefault(u, []).append((a, b))
-        got = line.upto(lo_end + d) - line.upto(lo_end) + line.upto(hi_end) - \
-            line.upto(hi_end - (t - d))
-        left_work -= got
         lo_end, hi_end = lo_end + d, hi_end - (t - d)
-        for u in held:
-            held[u] = _merged(held[u])
+        for u, parts in held.items():
+            if len(parts) > 1:  # one part is merged already (most units: no sort per unit)
+                held[u] = _merged(parts)
         out.append(held)
     if units.model.kind == "sliding_window":
         return out  # a ring's work per row depends on its depth there: the cuts stay
@@ -146,14 +157,20 @@ def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
     return outer_heavy(units, out, mean * (1 + 2 * slack))
 
 
-def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float) -> int:
+def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float
+           ) -> tuple[int, int]:
     """Rows ``d`` one rank takes from the dense end (the rest of ``t`` from the light end):
     the count nearest ``goal``, or, within ``slack`` of it, one that ends a run on a unit's
-    edge (the cheaper cut)."""
-    base_d, base_l = line.upto(lo_end), line.upto(hi_end)
+    edge (the cheaper cut); with the work of those rows, as ``(d, work)``."""
+    upto = line.upto
+    base = upto(hi_end) - upto(lo_end)
+    seen: dict[int, int] = {}  # counts are looked at again (the ends, the candidates)
 
     def work(d: int) -> int:
-        return line.upto(lo_end + d) - base_d + base_l - line.upto(hi_end - (t - d))
+        got = seen.get(d)
+        if got is None:
+            got = seen[d] = upto(lo_end + d) + base - upto(hi_end - (t - d))
+        return got
 
     lo, hi = 0, t
     if work(hi) <= goal:
@@ -169,17 +186,19 @@ def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: flo
     best = lo
     # Edges near the two ends of the runs: the unit edges before and after each.
     cands = {best}
+    ct = line._ct  # the plain list: numpy's per-call cost
     for x, sign in ((lo_end + best, 1), (hi_end - (t - best), -1)):
-        i = bisect_right(line._ct, x) - 1  # the plain list: numpy's per-call cost
-        for edge in line._ct[max(i - 1, 0):i + 3]:
+        i = bisect_right(ct, x) - 1
+        for edge in ct[max(i - 1, 0):i + 3]:
             d = edge - lo_end if sign > 0 else t - (hi_end - edge)
             if 0 <= d <= t and lo_end + d <= hi_end - (t - d):
                 cands.add(int(d))
     ok = [d for d in cands if abs(work(d) - goal) <= slack * goal]
     if not ok:
-        return best
-    return min(ok, key=lambda d: (_cut_cost(line, lo_end + d) + _cut_cost(line, hi_end - (t - d)),
-                                  abs(work(d) - goal), d))
+        return best, work(best)
+    d = min(ok, key=lambda d: (_cut_cost(line, lo_end + d) + _cut_cost(line, hi_end - (t - d)),
+                               abs(work(d) - goal), d))
+    return d, work(d)
 
 
 def _cut_cost(line: Line, x: int) -> int:
@@ -198,15 +217,17 @@ def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
     row), so its work per row is the unit's (causal: exactly ``(L + 1) / 2``) wherever it
     lies and the balance stays; what moves is who receives: the holder of the ring at depth
     ``x`` receives ``L - x - own``, least for the largest holder outside."""
-    holders: dict[int, list[tuple[int, int]]] = {}
+    holders: dict[int, list[int]] = {}
     for r, held in enumerate(holdings):
-        for u, parts in held.items():
+        for u in held:
             if u != FREE:
-                holders.setdefault(u, []).append((r, sum(b - a for a, b in parts)))
+                holders.setdefault(u, []).append(r)
     out = [dict(h) for h in holdings]
-    for u, got in holders.items():
-        if len(got) < 2:
+    for u, rs in holders.items():
+        if len(rs) < 2:
             continue
+        # Rows per holder, for the units held by several ranks only (a few of many).
+        got = [(r, sum(b - a for a, b in holdings[r][u])) for r in rs]
         length = int(units.lengths[u])
         front, back = 0, length
         ranked = sorted(got, key=lambda x: (-x[1], x[0]))
