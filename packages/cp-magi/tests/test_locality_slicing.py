@@ -3,7 +3,8 @@
 :func:`cp_magi.locality.slicing.graded_cuts` works on plain tuples with the head and tail
 costs written inline, and :func:`cp_magi.locality.anchors.slice_anchor` builds slices for its
 best bound only; both must give exactly what the slice-by-slice form below gives (the same
-slices, the same ``None``), on random units and offers.
+slices, the same ``None``), on random units and offers. :meth:`Material.lightest` clamps by
+comparisons; it must give the same floats as the min/max form.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import math
 
 import numpy as np
 
-from cp_magi.locality.anchors import GRID, slice_anchor
+from bisect import bisect_right
+
+from cp_magi.locality.anchors import GRID, Material, slice_anchor
 from cp_magi.locality.slicing import Offer, Slice, graded_slices
 from cp_magi.locality.units import kind_model
 
@@ -174,3 +177,19 @@ def test_slice_anchor_equals_every_bound_as_slices() -> None:
             (length, work, k, t, mean, cap)
         found += want is not None and k > 1
     assert found > 50
+
+
+def test_lightest_equals_the_min_max_form() -> None:
+    rng = np.random.default_rng(14)
+    for _ in range(300):
+        n = int(rng.integers(0, 12))
+        material = Material.of(rng.integers(1, 50, size=n), rng.integers(0, 900, size=n))
+        ct, cw = material.ct.tolist(), material.cw.tolist()
+        for x in [-3, 0, 0.0, ct[-1], ct[-1] + 2] + rng.uniform(-5, ct[-1] + 5, 20).tolist() \
+                + rng.integers(0, int(ct[-1]) + 2, 5).tolist():
+            y = min(max(x, 0.0), ct[-1])
+            i = min(bisect_right(ct, y) - 1, len(ct) - 2)
+            want = 0.0 if i < 0 else \
+                float(cw[i] + (y - ct[i]) * (cw[i + 1] - cw[i]) / (ct[i + 1] - ct[i]))
+            got = material.lightest(x)
+            assert got == want and type(got) is float, (ct, cw, x)

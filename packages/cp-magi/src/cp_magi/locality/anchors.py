@@ -63,12 +63,19 @@ class Material:
     def lightest(self, x: float) -> float:
         """Work of the lightest ``x`` tokens."""
         ct, cw = self._ct, self._cw
-        x = min(max(x, 0.0), ct[-1])
-        i = min(bisect_right(ct, x) - 1, len(ct) - 2)
+        # Comparisons, not min/max calls (the same clamps: this runs once per unit per
+        # construction); the values are Python floats already.
+        if x < 0.0:
+            x = 0.0
+        elif x > ct[-1]:
+            x = ct[-1]
+        i = bisect_right(ct, x) - 1
+        if i > len(ct) - 2:
+            i = len(ct) - 2
         if i < 0:
             return 0.0
-        span = ct[i + 1] - ct[i]
-        return float(cw[i] + (x - ct[i]) * (cw[i + 1] - cw[i]) / span)
+        c0 = ct[i]
+        return cw[i] + (x - c0) * (cw[i + 1] - cw[i]) / (ct[i + 1] - c0)
 
     def densest(self, x: float) -> float:
         """Work of the densest ``x`` tokens."""
