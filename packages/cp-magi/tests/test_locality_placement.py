@@ -272,3 +272,56 @@ def test_others_is_the_complement_in_order() -> None:
         want = [i for i in range(n) if i not in set(ids.tolist())]
         got = others(n, np.asarray(ids, np.int64))
         assert got.tolist() == want and got.dtype.kind == "i"
+
+
+def _random_holdings(rng, units, cp: int) -> list[dict]:
+    """Random disjoint parts of random units (and free ranges) on ``cp`` ranks, some
+    touching, some empty."""
+    out: list[dict] = [{} for _ in range(cp)]
+    for u, n in enumerate(units.lengths.tolist()):
+        cuts = sorted(set([0, n] + rng.integers(0, n + 1, size=int(rng.integers(0, 4))).tolist()))
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            out[int(rng.integers(0, cp))].setdefault(u, []).append((a, b))
+        if rng.random() < 0.1:
+            out[int(rng.integers(0, cp))].setdefault(u, []).append((n, n))  # an empty part
+    for a, b in units.free.tolist():
+        out[int(rng.integers(0, cp))].setdefault(-1, []).append((a, b))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["causal", "chunked", "sliding_window", "bidirectional"])
+def test_solver_counts_and_runs_equal_the_straightforward_forms(kind: str) -> None:
+    from cp_core.backend_api import RankRuns
+    from cp_magi.locality.bins import FREE
+    from cp_magi.locality.solver import _recv, _runs, _work
+    from cp_magi.locality.units import build_units
+
+    rng = np.random.default_rng(21)
+    model = kind_model("causal" if kind == "chunked" else kind,
+                       37 if kind == "sliding_window" else None)
+    for _ in range(200):
+        lengths = rng.integers(1, 90, size=int(rng.integers(1, 12)))
+        gaps = rng.integers(0, 3, size=lengths.size)
+        starts = np.cumsum(gaps + np.concatenate(([0], lengths[:-1])))
+        spans = np.stack([starts, starts + lengths], 1)
+        cp = int(rng.integers(1, 5))
+        stream = -(-int(spans[-1, 1] + rng.integers(0, 5)) // cp) * cp
+        units = build_units(spans, stream, model, chunk=50 if kind == "chunked" else None)
+        holdings = _random_holdings(rng, units, cp)
+        for held in holdings:
+            assert _work(units, held) == sum(
+                model.work(int(units.lengths[u]), a, b)
+                for u, parts in held.items() if u != FREE for a, b in parts)
+            assert _recv(units, held) == sum(
+                model.recv(int(units.lengths[u]), parts)
+                for u, parts in held.items() if u != FREE)
+        want_s, want_n = [], []
+        for held in holdings:
+            runs = sorted((a if u == FREE else int(units.starts[u]) + a, b - a)
+                          for u, parts in held.items() for a, b in parts)
+            want_s.append(np.asarray([s for s, _ in runs], np.int64))
+            want_n.append(np.asarray([n for _, n in runs], np.int64))
+        want, got = RankRuns.build(want_s, want_n), _runs(holdings, units)
+        assert got.describe() == want.describe()
+        for a, b in zip(got.starts + got.lengths, want.starts + want.lengths):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()

@@ -123,3 +123,123 @@ def test_cut_score_is_reshape_then_count() -> None:
         assert got == want, (length, tok, gl, ow, orr, cap, beat)
         seen["none" if got is None else "value"] += 1
     assert min(seen.values()) > 300, seen
+
+
+def test_causal_counts_are_the_models() -> None:
+    # outer_heavy's inline counts against the kind model's, on random holdings.
+    from cp_magi.locality.sweep import _causal_recv, _causal_work
+
+    model = kind_model("causal", None)
+    rng = np.random.default_rng(13)
+    for _ in range(2000):
+        sizes = rng.integers(1, 300, size=int(rng.integers(1, 6))).tolist()
+        held = {}
+        for u, n in enumerate(sizes):
+            cuts = sorted(set(rng.integers(0, n + 1, size=int(rng.integers(0, 5))).tolist()))
+            parts = [(a, b) for a, b in zip(cuts[::2], cuts[1::2])]
+            if parts or rng.random() < 0.3:
+                held[u] = parts
+        held[FREE] = [(0, int(rng.integers(0, 50)))]
+        want_w = sum(model.work(sizes[u], a, b) for u, ps in held.items() if u != FREE
+                     for a, b in ps)
+        want_r = sum(model.recv(sizes[u], ps) for u, ps in held.items() if u != FREE)
+        assert (_causal_work(held), _causal_recv(held)) == (want_w, want_r), held
+
+
+def _outer_heavy_copying(units, holdings, cap):
+    """outer_heavy as first written: the lists copied per tried hand-over, the shapes built
+    per kept one, the counts by the kind model."""
+    from cp_magi.locality.expand import reshape
+    from cp_magi.locality.sweep import _cut_score, _merged
+
+    model = units.model
+    work, recv = model.work, model.recv
+    sizes, works = units.lengths.tolist(), units.work.tolist()
+    holders: dict[int, list[int]] = {}
+    for r, held in enumerate(holdings):
+        for u in held:
+            if u != FREE:
+                holders.setdefault(u, []).append(r)
+    out = [dict(h) for h in holdings]
+    whole = {u: rs[0] for u, rs in holders.items()
+             if len(rs) == 1 and out[rs[0]][u] == [(0, sizes[u])]}
+    rank_w = [sum(work(sizes[v], a, b) for v, ps in held.items() if v != FREE for a, b in ps)
+              for held in out]
+    rank_r = [sum(recv(sizes[v], ps) for v, ps in held.items() if v != FREE) for held in out]
+    for u, rs in sorted(holders.items(), key=lambda x: (-sizes[x[0]], x[0])):
+        if len(rs) < 2:
+            continue
+        length = sizes[u]
+        rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
+        tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
+        own_w = [sum(work(length, a, b) for a, b in out[r][u]) for r in rs]
+        own_r = [recv(length, out[r][u]) for r in rs]
+        goals = [float(w) for w in own_w]
+        other_w = [rank_w[r] - w for r, w in zip(rs, own_w)]
+        other_r = [rank_r[r] - v for r, v in zip(rs, own_r)]
+
+        def score(tok, gl, ow, orr, beat=float("inf")):
+            worst = _cut_score(length, tok, gl, ow, orr, cap, beat)
+            return None if worst is None else (worst, reshape(length, tok, gl))
+
+        first = score(tokens, goals, other_w, other_r)
+        if first is None:
+            continue
+        best, shapes = first
+        moved = []
+        movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
+                         key=lambda v: (-sizes[v], v))
+        j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
+        for v in movable:
+            n, w = sizes[v], works[v]
+            if tokens[j] <= n:
+                continue
+            tok, gl, ow = list(tokens), list(goals), list(other_w)
+            tok[0] += n; tok[j] -= n
+            gl[0] += w; gl[j] -= w
+            ow[0] -= w; ow[j] += w
+            got = score(tok, gl, ow, other_r, best)
+            if got is None:
+                continue
+            best, shapes = got
+            tokens, goals, other_w = tok, gl, ow
+            moved.append((v, j))
+            j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
+        for v, j in moved:
+            out[rs[j]][v] = out[rs[0]].pop(v)
+            whole[v] = rs[j]
+            rank_w[rs[0]] -= works[v]
+            rank_w[rs[j]] += works[v]
+        for i, r in enumerate(rs):
+            parts = [p for p in shapes[i] if p[1] > p[0]]
+            if parts:
+                out[r][u] = _merged(list(parts))
+            else:
+                out[r].pop(u, None)
+            rank_w[r] += sum(work(length, a, b) for a, b in parts) - own_w[i]
+            rank_r[r] += (recv(length, out[r][u]) if parts else 0) - own_r[i]
+    return out
+
+
+@pytest.mark.parametrize("cp", [4, 8])
+def test_outer_heavy_equals_the_copying_form(monkeypatch, cp: int) -> None:
+    from cp_magi.locality import sweep as sweep_mod
+
+    model = kind_model("causal", None)
+    seen: list[tuple] = []
+    real = sweep_mod.outer_heavy
+    monkeypatch.setattr(sweep_mod, "outer_heavy",
+                        lambda *args: (seen.append(args), real(*args))[1])
+    for seed in (0, 1, 2, 3, 4, 5, 4321):
+        lengths = packed_rows(1, 131072, seed, cap_fraction=0.25)[0]
+        padded = -(-sum(lengths) // cp) * cp
+        ends = np.cumsum(lengths)
+        units = build_units(np.stack([ends - lengths, ends], 1), padded, model)
+        sweep(units, cp, padded // cp, 0.005)
+    changed = 0
+    for units, held, cap in seen:
+        for c in (cap, cap * 1.05):
+            want = _outer_heavy_copying(units, held, c)
+            assert real(units, held, c) == want, (cp, c)
+            changed += sum(len(a) != len(b) for a, b in zip(want, held)) > 0
+    assert changed > 0  # hand-overs kept, not only refused

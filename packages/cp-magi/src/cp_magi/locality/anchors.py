@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cp_magi.locality.slicing import Offer, Slice, graded_slices, piece_slices
+from cp_magi.locality.slicing import Cut, Offer, Slice, cut_slices, graded_cuts, piece_slices
 from cp_magi.locality.units import KindModel, Units, others
 
 #: Coarse grid of bounds (fractions of the unit) scanned before the bisection.
@@ -63,12 +63,19 @@ class Material:
     def lightest(self, x: float) -> float:
         """Work of the lightest ``x`` tokens."""
         ct, cw = self._ct, self._cw
-        x = min(max(x, 0.0), ct[-1])
-        i = min(bisect_right(ct, x) - 1, len(ct) - 2)
+        # Comparisons, not min/max calls (the same clamps: this runs once per unit per
+        # construction); the values are Python floats already.
+        if x < 0.0:
+            x = 0.0
+        elif x > ct[-1]:
+            x = ct[-1]
+        i = bisect_right(ct, x) - 1
+        if i > len(ct) - 2:
+            i = len(ct) - 2
         if i < 0:
             return 0.0
-        span = ct[i + 1] - ct[i]
-        return float(cw[i] + (x - ct[i]) * (cw[i + 1] - cw[i]) / span)
+        c0 = ct[i]
+        return cw[i] + (x - c0) * (cw[i + 1] - cw[i]) / (ct[i + 1] - c0)
 
     def densest(self, x: float) -> float:
         """Work of the densest ``x`` tokens."""
@@ -86,15 +93,16 @@ def slice_anchor(model: KindModel, unit: int, length: int, work: int, k: int, t:
     if k == 1:
         return [Slice(unit, ((0, length),), length, work, 0)] if work <= cap else None
     rho = max((k * mean - work) / fill_tokens, 0.0) if fill_tokens else 0.0
-
-    def attempt(bound: int) -> list[Slice] | None:
-        offers = [Offer(i, t, cap - rho * t, rho, bound) for i in range(k)]
-        got = (graded_slices(unit, length, offers) if model.graded
-               else piece_slices(model, unit, length, offers))
+    base = cap - rho * t
+    if not model.graded:
+        got = piece_slices(model, unit, length,
+                           [Offer(i, t, base, rho, length) for i in range(k)])
         return None if got is None else [s for _, s in got]
 
-    if not model.graded:
-        return attempt(length)
+    def attempt(bound: int) -> list[Cut] | None:
+        # Plain cuts: a dozen bounds are tried, the slices are built for the best only.
+        return graded_cuts(length, [(i, t, base, rho, bound) for i in range(k)])
+
     # No slice holds more than t rows, so the one with the unit's last row receives at least
     # length - t: the grid spans [length - t, length].
     floor = max(0, length - t)
@@ -106,15 +114,15 @@ def slice_anchor(model: KindModel, unit: int, length: int, work: int, k: int, t:
         prev = bound
     if best is None:
         return None
-    lo, hi = prev + 1, max(s.recv for s in best)
+    lo, hi = prev + 1, max(c[5] for c in best)
     while lo < hi:
         m = (lo + hi) // 2
         got = attempt(m)
         if got is None:
             lo = m + 1
         else:
-            best, hi = got, max(s.recv for s in got)
-    return best
+            best, hi = got, max(c[5] for c in got)
+    return [s for _, s in cut_slices(unit, best)]
 
 
 def _infeasible(groups: list[tuple[float, float, float, int]], material: Material,

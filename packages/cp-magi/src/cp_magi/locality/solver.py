@@ -168,23 +168,52 @@ def split_sand(units: Units, fraction: float, anchors: np.ndarray
 
 
 def _work(units: Units, held: Holding) -> int:
-    return sum(units.model.work(int(units.lengths[u]), a, b)
-               for u, parts in held.items() if u != FREE for a, b in parts)
+    sizes = units.sizes  # plain ints: numpy scalar indexing per part was most of this sum
+    if units.model.graded:  # the causal count inline (model.work of the graded kinds)
+        return sum((b * (b + 1) - a * (a + 1)) // 2
+                   for u, parts in held.items() if u != FREE for a, b in parts if b > a)
+    work = units.model.work
+    return sum(work(sizes[u], a, b) for u, parts in held.items() if u != FREE for a, b in parts)
 
 
 def _recv(units: Units, held: Holding) -> int:
-    return sum(units.model.recv(int(units.lengths[u]), parts)
-               for u, parts in held.items() if u != FREE)
+    if units.model.graded:  # the causal count inline: per unit, its top held row less own
+        total = 0
+        for u, parts in held.items():
+            if u != FREE and parts:
+                top = 0
+                for a, b in parts:
+                    total -= b - a
+                    if b > top:
+                        top = b
+                total += top
+        return total
+    sizes = units.sizes  # plain ints: numpy scalar indexing per unit was most of this sum
+    recv = units.model.recv
+    return sum(recv(sizes[u], parts) for u, parts in held.items() if u != FREE)
 
 
 def _runs(holdings: list[Holding], units: Units) -> RankRuns:
-    starts, lengths = [], []
+    # Sorted, touching runs joined and empty ones dropped here on plain ints (what
+    # RankRuns.build does with numpy calls per rank, the larger cost on these short lists).
+    starts: list[int] = units.starts.tolist()
+    out_s, out_n = [], []
     for held in holdings:
-        runs = sorted((a if u == FREE else int(units.starts[u]) + a, b - a)
+        runs = sorted((a if u == FREE else starts[u] + a, b - a)
                       for u, parts in held.items() for a, b in parts)
-        starts.append(np.asarray([s for s, _ in runs], np.int64))
-        lengths.append(np.asarray([n for _, n in runs], np.int64))
-    return RankRuns.build(starts, lengths)
+        got_s: list[int] = []
+        got_n: list[int] = []
+        for s, n in runs:
+            if n <= 0:
+                continue
+            if got_s and got_s[-1] + got_n[-1] == s:
+                got_n[-1] += n
+            else:
+                got_s.append(s)
+                got_n.append(n)
+        out_s.append(np.asarray(got_s, np.int64))
+        out_n.append(np.asarray(got_n, np.int64))
+    return RankRuns(tuple(out_s), tuple(out_n))
 
 
 def _attempt(units: Units, cp: int, t: int, mean: float, tolerance: float, share: float,

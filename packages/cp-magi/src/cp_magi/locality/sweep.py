@@ -78,16 +78,25 @@ class Line:
 
     def upto(self, x: int) -> int:
         """Work of the first ``x`` rows of the line."""
+        ct = self._ct
         if x <= 0:
             return 0
-        if x >= self._ct[-1]:
+        if x >= ct[-1]:
             return self._cw[-1]
-        i = bisect_right(self._ct, x) - 1
-        return self._cw[i] + self._prefix(i, x - self._ct[i])
+        i = bisect_right(ct, x) - 1
+        n = x - ct[i]  # 0 <= n < the unit's length
+        if n == 0 or self._ids[i] < 0:
+            return self._cw[i]
+        if self._causal:  # _prefix's causal count inline: the bisections call this most
+            length = self._len[i]
+            heads, rest = (n + 1) // 2, length - n // 2
+            return self._cw[i] + (heads * (heads + 1) + length * (length + 1)
+                                  - rest * (rest + 1)) // 2
+        return self._cw[i] + self._prefix(i, n)
 
     def parts(self, x: int, y: int) -> list[tuple[int, int, int]]:
         """``(unit or FREE, lo, hi)`` pieces of line rows ``[x, y)``: unit rows relative to
-        the unit, free slots as stream ranges."""
+        the unit (a head and a tail that touch as one piece), free slots as stream ranges."""
         out: list[tuple[int, int, int]] = []
         if y <= x:
             return out
@@ -105,6 +114,9 @@ class Line:
             # Heads: even line places q -> row q/2; tails: odd q -> row L-1-(q-1)/2.
             h0, h1 = (s + 1) // 2, (e + 1) // 2
             t0, t1 = s // 2, e // 2
+            if h1 > h0 and t1 > t0 and h1 == length - t1:  # they touch: one piece
+                out.append((u, h0, length - t0))
+                continue
             if h1 > h0:
                 out.append((u, h0, h1))
             if t1 > t0:
@@ -126,16 +138,15 @@ def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
         if r == cp - 1:
             d = hi_end - lo_end
         else:
-            d = _count(line, lo_end, hi_end, t, left_work / (cp - r), slack)
+            d, got = _count(line, lo_end, hi_end, t, left_work / (cp - r), slack)
+            left_work -= got
         held: Holding = {}
         for u, a, b in line.parts(lo_end, lo_end + d) + line.parts(hi_end - (t - d), hi_end):
             held.setdefault(u, []).append((a, b))
-        got = line.upto(lo_end + d) - line.upto(lo_end) + line.upto(hi_end) - \
-            line.upto(hi_end - (t - d))
-        left_work -= got
         lo_end, hi_end = lo_end + d, hi_end - (t - d)
-        for u in held:
-            held[u] = _merged(held[u])
+        for u, parts in held.items():
+            if len(parts) > 1:  # one part is merged already (most units: no sort per unit)
+                held[u] = _merged(parts)
         out.append(held)
     if units.model.kind == "sliding_window":
         return out  # a ring's work per row depends on its depth there: the cuts stay
@@ -146,14 +157,20 @@ def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
     return outer_heavy(units, out, mean * (1 + 2 * slack))
 
 
-def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float) -> int:
+def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float
+           ) -> tuple[int, int]:
     """Rows ``d`` one rank takes from the dense end (the rest of ``t`` from the light end):
     the count nearest ``goal``, or, within ``slack`` of it, one that ends a run on a unit's
-    edge (the cheaper cut)."""
-    base_d, base_l = line.upto(lo_end), line.upto(hi_end)
+    edge (the cheaper cut); with the work of those rows, as ``(d, work)``."""
+    upto = line.upto
+    base = upto(hi_end) - upto(lo_end)
+    seen: dict[int, int] = {}  # counts are looked at again (the ends, the candidates)
 
     def work(d: int) -> int:
-        return line.upto(lo_end + d) - base_d + base_l - line.upto(hi_end - (t - d))
+        got = seen.get(d)
+        if got is None:
+            got = seen[d] = upto(lo_end + d) + base - upto(hi_end - (t - d))
+        return got
 
     lo, hi = 0, t
     if work(hi) <= goal:
@@ -169,17 +186,19 @@ def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: flo
     best = lo
     # Edges near the two ends of the runs: the unit edges before and after each.
     cands = {best}
+    ct = line._ct  # the plain list: numpy's per-call cost
     for x, sign in ((lo_end + best, 1), (hi_end - (t - best), -1)):
-        i = bisect_right(line._ct, x) - 1  # the plain list: numpy's per-call cost
-        for edge in line._ct[max(i - 1, 0):i + 3]:
+        i = bisect_right(ct, x) - 1
+        for edge in ct[max(i - 1, 0):i + 3]:
             d = edge - lo_end if sign > 0 else t - (hi_end - edge)
             if 0 <= d <= t and lo_end + d <= hi_end - (t - d):
                 cands.add(int(d))
     ok = [d for d in cands if abs(work(d) - goal) <= slack * goal]
     if not ok:
-        return best
-    return min(ok, key=lambda d: (_cut_cost(line, lo_end + d) + _cut_cost(line, hi_end - (t - d)),
-                                  abs(work(d) - goal), d))
+        return best, work(best)
+    d = min(ok, key=lambda d: (_cut_cost(line, lo_end + d) + _cut_cost(line, hi_end - (t - d)),
+                               abs(work(d) - goal), d))
+    return d, work(d)
 
 
 def _cut_cost(line: Line, x: int) -> int:
@@ -198,15 +217,17 @@ def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
     row), so its work per row is the unit's (causal: exactly ``(L + 1) / 2``) wherever it
     lies and the balance stays; what moves is who receives: the holder of the ring at depth
     ``x`` receives ``L - x - own``, least for the largest holder outside."""
-    holders: dict[int, list[tuple[int, int]]] = {}
+    holders: dict[int, list[int]] = {}
     for r, held in enumerate(holdings):
-        for u, parts in held.items():
+        for u in held:
             if u != FREE:
-                holders.setdefault(u, []).append((r, sum(b - a for a, b in parts)))
+                holders.setdefault(u, []).append(r)
     out = [dict(h) for h in holdings]
-    for u, got in holders.items():
-        if len(got) < 2:
+    for u, rs in holders.items():
+        if len(rs) < 2:
             continue
+        # Rows per holder, for the units held by several ranks only (a few of many).
+        got = [(r, sum(b - a for a, b in holdings[r][u])) for r in rs]
         length = int(units.lengths[u])
         front, back = 0, length
         ranked = sorted(got, key=lambda x: (-x[1], x[0]))
@@ -232,7 +253,6 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
     model = units.model
     if not model.graded:
         return [dict(h) for h in holdings]
-    work, recv = model.work, model.recv  # looked up once: score() calls them thousands of times
     # Plain ints (numpy scalar indexing per unit is most of recv_of's and work_of's cost).
     sizes: list[int] = units.lengths.tolist()
     works: list[int] = units.work.tolist()
@@ -247,71 +267,102 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
 
     # Every rank's work and received rows, kept up to date as units move and are cut again
     # (a holder's other material is its total less the unit's share: summing it afresh per
-    # unit and holder was a third of this function's time).
-    rank_w = [sum(work(sizes[v], a, b) for v, ps in held.items() if v != FREE for a, b in ps)
-              for held in out]
-    rank_r = [sum(recv(sizes[v], ps) for v, ps in held.items() if v != FREE) for held in out]
+    # unit and holder was a third of this function's time). The causal counts inline (the
+    # graded kinds' model.work and model.recv): a call per part was most of these sums.
+    rank_w = [_causal_work(held) for held in out]
+    rank_r = [_causal_recv(held) for held in out]
 
-    for u, rs in sorted(holders.items(), key=lambda x: (-sizes[x[0]], x[0])):
-        if len(rs) < 2:
-            continue
+    for u in sorted((u for u, rs in holders.items() if len(rs) > 1),
+                    key=lambda v: (-sizes[v], v)):
         length = sizes[u]
+        own_t = {r: sum(b - a for a, b in out[r][u]) for r in holders[u]}
         # Front to back: the outer holder (most rows) first, as the rings cut them.
-        rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
-        tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
-        own_w = [sum(work(length, a, b) for a, b in out[r][u]) for r in rs]
-        own_r = [recv(length, out[r][u]) for r in rs]
+        rs = sorted(own_t, key=lambda r: (-own_t[r], r))
+        tokens = [own_t[r] for r in rs]
+        own_w = [_causal_work({u: out[r][u]}) for r in rs]
+        own_r = [_causal_recv({u: out[r][u]}) for r in rs]
         goals = [float(w) for w in own_w]
         other_w = [rank_w[r] - w for r, w in zip(rs, own_w)]
         other_r = [rank_r[r] - v for r, v in zip(rs, own_r)]
-
-        def score(tok: list[int], gl: list[float], ow: list[int], orr: list[int],
-                  beat: float = float("inf")) -> tuple[float, list] | None:
-            """The busiest holder's rows and the shapes, or None when a holder passes
-            ``cap`` or the busiest is no better than ``beat`` (either way not taken)."""
-            worst = _cut_score(length, tok, gl, ow, orr, cap, beat)
-            return None if worst is None else (worst, reshape(length, tok, gl))
-
-        first = score(tokens, goals, other_w, other_r)
-        if first is None:
+        best = _cut_score(length, tokens, goals, other_w, other_r, cap, float("inf"))
+        if best is None:
             continue
-        best, shapes = first
-        moved: list[tuple[int, int]] = []
-        movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
-                         key=lambda v: (-sizes[v], v))
-        # The receiving holder: the one with most rows (tokens change only when a move is
-        # kept, so it is found again only then).
-        j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
-        for v in movable:
-            n, w = sizes[v], works[v]
-            if tokens[j] <= n:
-                continue
-            tok, gl = list(tokens), list(goals)
-            ow, orr = list(other_w), list(other_r)
-            tok[0] += n; tok[j] -= n
-            gl[0] += w; gl[j] -= w
-            ow[0] -= w; ow[j] += w
-            got = score(tok, gl, ow, orr, best)
-            if got is None:
-                continue
-            best, shapes = got
-            tokens, goals, other_w = tok, gl, ow
-            moved.append((v, j))
-            j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
+        moved = _hand_over(length, tokens, goals, other_w, other_r, cap, best,
+                           sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
+                                  key=lambda v: (-sizes[v], v)), sizes, works)
         for v, j in moved:
             out[rs[j]][v] = out[rs[0]].pop(v)
             whole[v] = rs[j]
             rank_w[rs[0]] -= works[v]  # a whole unit receives nothing
             rank_w[rs[j]] += works[v]
-        for i, r in enumerate(rs):
-            parts = [p for p in shapes[i] if p[1] > p[0]]
+        # The cut of the last kept hand-over (or of none), built once.
+        for i, (r, shape) in enumerate(zip(rs, reshape(length, tokens, goals))):
+            parts = [p for p in shape if p[1] > p[0]]
             if parts:
-                out[r][u] = _merged(list(parts))
+                out[r][u] = _merged(parts)
+                rank_w[r] += _causal_work({u: parts}) - own_w[i]
+                rank_r[r] += _causal_recv({u: out[r][u]}) - own_r[i]
             else:
                 out[r].pop(u, None)
-            rank_w[r] += sum(work(length, a, b) for a, b in parts) - own_w[i]
-            rank_r[r] += (recv(length, out[r][u]) if parts else 0) - own_r[i]
+                rank_w[r] -= own_w[i]
+                rank_r[r] -= own_r[i]
     return out
+
+
+def _hand_over(length: int, tokens: list[int], goals: list[float], other_w: list[int],
+               other_r: list[int], cap: float, best: float, movable: list[int],
+               sizes: list[int], works: list[int]) -> list[tuple[int, int]]:
+    """The whole units of ``movable`` (the outer holder's, largest first) handed to the
+    holder with most rows, each kept when :func:`_cut_score` is below the best so far, as
+    ``(unit, holder index)``; ``tokens``, ``goals`` and ``other_w`` are left as the kept
+    moves make them. In place, restored after a refused move (most are refused: copying
+    the lists per move cost more than scoring it)."""
+    moved: list[tuple[int, int]] = []
+    last = len(tokens) - 1
+    # The receiving holder: the one with most rows (tokens change only when a move is
+    # kept, so it is found again only then).
+    j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
+    for v in movable:
+        n = sizes[v]
+        tj = tokens[j]
+        if tj <= n:
+            continue
+        w = works[v]
+        t0, g0, gj, o0, oj = tokens[0], goals[0], goals[j], other_w[0], other_w[j]
+        tokens[0], tokens[j] = t0 + n, tj - n
+        goals[0], goals[j] = g0 + w, gj - w
+        other_w[0], other_w[j] = o0 - w, oj + w
+        got = _cut_score(length, tokens, goals, other_w, other_r, cap, best)
+        if got is None:
+            tokens[0], tokens[j] = t0, tj
+            goals[0], goals[j] = g0, gj
+            other_w[0], other_w[j] = o0, oj
+            continue
+        best = got
+        moved.append((v, j))
+        j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
+    return moved
+
+
+def _causal_work(held: Holding) -> int:
+    """Work of ``held``'s unit parts under the causal count (free slots carry none)."""
+    return sum((b * (b + 1) - a * (a + 1)) // 2
+               for v, ps in held.items() if v != FREE for a, b in ps if b > a)
+
+
+def _causal_recv(held: Holding) -> int:
+    """Key rows a holder of ``held`` receives under the causal count: per unit, its top
+    held row less the rows it holds."""
+    total = 0
+    for v, ps in held.items():
+        if v != FREE and ps:
+            top = 0
+            for a, b in ps:
+                total -= b - a
+                if b > top:
+                    top = b
+            total += top
+    return total
 
 
 def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr: list[int],
@@ -330,12 +381,14 @@ def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr:
         if i == last or h >= y - x:
             # One part (x, y): reshape's last slice (or one that takes all that is left).
             w = ow[i] + (y * (y + 1) - x * (x + 1)) // 2
-            got = orr[i] + y - (y - x)
+            got = orr[i] + x  # its top row y less the y - x rows it holds
             x = y
-        else:
-            span = y - x - h
-            a = round((h * y - h * (h - 1) / 2 - gl[i]) / span) if span > 0 else h
-            a = min(max(a, 0), h)
+        else:  # h < y - x: the span is positive
+            a = round((h * y - h * (h - 1) / 2 - gl[i]) / (y - x - h))
+            if a < 0:  # comparisons, not min/max calls: this runs per tried hand-over
+                a = 0
+            elif a > h:
+                a = h
             b = h - a
             w = ow[i]
             top = 0
