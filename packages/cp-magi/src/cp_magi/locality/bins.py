@@ -79,11 +79,15 @@ class SandLine:
     number of tokens from either end is a lookup (a cut piece gives its first rows to the
     dense side, its last rows to the light side)."""
 
-    def __init__(self, units: Units, pieces: list[Piece]) -> None:
+    def __init__(self, units: Units, pieces: list[Piece], works: list[int] | None = None
+                 ) -> None:
         self.units = units
-        # Each piece's work once (a pair move builds a line of two bins' sand every time).
-        keyed = sorted((-w / (p[2] - p[1]), p, w) for p, w in
-                       ((p, work_of(units, *p)) for p in pieces if p[2] > p[1]))
+        # Each piece's work once (a pair move builds a line of two bins' sand every time);
+        # ``works``, when given, are the pieces' works already counted.
+        if works is None:
+            works = [work_of(units, *p) for p in pieces]
+        keyed = sorted((-w / (p[2] - p[1]), p, w) for p, w in zip(pieces, works)
+                       if p[2] > p[1])
         self.pieces = [p for _, p, _ in keyed]
         lens = np.fromiter((b - a for _, a, b in self.pieces), np.int64, len(self.pieces))
         works = np.fromiter((w for _, _, w in keyed), np.int64, len(self.pieces))
@@ -354,10 +358,13 @@ def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int],
                b: int) -> bool:
     """The best stone move or swap between bins ``a`` and ``b`` with their sand poured again
     between them; False when nothing lowers the pair's larger excess."""
-    pieces = _sand_of(bins, a, sand) + _sand_of(bins, b, sand)
-    line = SandLine(units, pieces)
-    sw = [sum(work_of(units, *p) for p in _sand_of(bins, x, sand)) for x in (a, b)]
-    st = [sum(p[2] - p[1] for p in _sand_of(bins, x, sand)) for x in (a, b)]
+    # Each bin's sand and its pieces' works, counted once for the line, the sums and the
+    # removal below.
+    held = [_sand_of(bins, x, sand) for x in (a, b)]
+    works = [[work_of(units, *p) for p in pieces] for pieces in held]
+    line = SandLine(units, held[0] + held[1], works[0] + works[1])
+    sw = [sum(w) for w in works]
+    st = [sum(p[2] - p[1] for p in pieces) for pieces in held]
     fw = [int(bins.work[x]) - w for x, w in zip((a, b), sw)]
     ft = [int(bins.tokens[x]) - n for x, n in zip((a, b), st)]
     ta, tb = bins.target[a], bins.target[b]
@@ -375,9 +382,13 @@ def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int],
     if best is None:
         return False
     _, sa, sb, d, tau = best
-    for x in (a, b):
-        for p in _sand_of(bins, x, sand):
-            bins.remove(x, *p, work_of(units, *p))
+    # All of both bins' sand goes back to the line: their sand units' entries go whole (the
+    # other entries keep their order, as taking the pieces back one by one leaves them).
+    for x, pieces, n, w in zip((a, b), held, st, sw):
+        for u in {p[0] for p in pieces}:
+            del bins.parts[x][u]
+        bins.tokens[x] -= n
+        bins.work[x] -= w
     for s, src, dst in ((sa, a, b), (sb, b, a)):
         if s is not None:
             n, w = int(units.lengths[s]), int(units.work[s])
@@ -385,9 +396,11 @@ def _pair_move(bins: Bins, units: Units, sand: set[int], owners: dict[int, int],
             bins.add(dst, s, 0, n, w)
             owners[s] = dst
     taken, rest = line.deal(d, tau)
+    known = dict(zip(held[0] + held[1], works[0] + works[1]))  # uncut pieces keep their work
     for x, got in ((a, taken), (b, rest)):
-        for u, lo, hi in got:
-            bins.add(x, u, lo, hi, work_of(units, u, lo, hi))
+        for p in got:
+            w = known.get(p)
+            bins.add(x, *p, work_of(units, *p) if w is None else w)
     return True
 
 

@@ -174,8 +174,10 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     this variant laid the same stairs before (their layouts are kept in ``seen``): a bound
     no stair reaches gives the stairs of a tighter one, and the fill would repeat its
     placement (it can differ only where a stone no rank takes whole is laid under the
-    bound, a short unit: the repeat is not worth the host time). ``long_``: the units laid
-    as stairs, when the caller has them (:func:`long_units`)."""
+    bound, a short unit: the repeat is not worth the host time), or any variant reached the
+    same holdings and sand before the pour (the pour and the levelling would repeat a
+    placement already measured). ``long_``: the units laid as stairs, when the caller has
+    them (:func:`long_units`)."""
     model = units.model
     cap = mean * (1 + tolerance / 2)
     free = units.free[:, 1] - units.free[:, 0] if units.free.size else np.zeros(0, np.int64)
@@ -189,12 +191,8 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
     spilled = [u for u in long_.tolist() if not lay(u)]
     if recv.size and int(recv.max()) >= beat:
         return None
-    if seen is not None:
-        key = (lean, sand_share, tuple(tuple(sorted((u, tuple(p)) for u, p in held.items()))
-                                       for held in ranks.parts))
-        if key in seen:
-            return None
-        seen.add(key)
+    if _seen_before(seen, (lean, sand_share), ranks):
+        return None
     # Short units: the shortest (and the free slots) are sand, the others stones.
     order = rest[np.lexsort((rest, units.lengths[rest]))]
     want = sand_share * float(units.lengths[rest].sum())
@@ -213,6 +211,12 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
             spilled.append(u)
     if recv.size and int(recv.max()) >= beat:
         return None
+    # Another variant may have reached the same holdings and the same sand (a lean changes
+    # nothing where no stair was laid, or where the stairs it lays are the same): pour and
+    # levelling are deterministic, so the placement would repeat one already measured.
+    if _seen_before(seen, ("poured", sand_share, tuple(spilled), tuple(
+            (u, tuple(s)) for u, s in laid)), ranks):
+        return None
     poured = np.concatenate([sand, np.asarray(spilled, np.int64)])
     pieces = [(int(u), 0, int(units.lengths[u])) for u in poured.tolist()]
     pieces += [(FREE, int(a), int(b)) for a, b in units.free.tolist()]
@@ -230,6 +234,19 @@ def stairs(units: Units, cp: int, t: int, mean: float, tolerance: float, bound: 
         _recut(units, ranks, laid, mean)
         level(ranks, units, poured, tolerance * mean / 2)
     return ranks.parts
+
+
+def _seen_before(seen: set[tuple] | None, tag: tuple, ranks: Bins) -> bool:
+    """True when ``seen`` holds ``tag`` with these holdings; otherwise adds them (no
+    ``seen``: never)."""
+    if seen is None:
+        return False
+    key = tag + (tuple(tuple(sorted((u, tuple(p)) for u, p in held.items()))
+                       for held in ranks.parts),)
+    if key in seen:
+        return True
+    seen.add(key)
+    return False
 
 
 def _recut(units: Units, ranks: Bins, laid: list[tuple[int, list[tuple[int, int]]]],
