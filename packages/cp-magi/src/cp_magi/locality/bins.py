@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cp_magi.locality.shares import _share, _share_many
 from cp_magi.locality.units import Part, Units
 
 #: Unit id of free slots (pad) in a holding: no work, no keys; parts are stream ranges.
@@ -209,23 +210,6 @@ class SandLine:
             taken.append((u, lo, hi))
             rest.append((u, hi, b) if lo == a else (u, a, lo))
         return taken, rest
-
-
-def _share(a: int, b: int, k: int) -> tuple[int, int]:
-    """Rows of ``[a, b)`` a share of ``k`` of them takes: the shorter side of a cut gets the
-    first rows, so what the holder of the later rows receives is the shorter side."""
-    if k <= 0:
-        return a, a
-    return (a, a + k) if k <= (b - a) - k else (b - k, b)
-
-
-def _share_many(a: np.ndarray, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_share` of many ``(a, b, k)`` at once."""
-    first = k <= (b - a) - k
-    none = k <= 0
-    lo = np.where(none | first, a, b - k)
-    hi = np.where(none, a, np.where(first, a + k, b))
-    return lo, hi
 
 
 def pour(bins: Bins, units: Units, sand: list[Piece]) -> None:

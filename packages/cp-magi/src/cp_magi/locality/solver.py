@@ -65,6 +65,7 @@ from cp_magi.locality.floor import recv_floor
 from cp_magi.locality.lean import SAND, LeanPlan, lean_fill, lean_plan, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
+from cp_magi.locality.runs_holdings import _runs, holdings_of_runs
 from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.sweep import sweep
@@ -193,29 +194,6 @@ def _recv(units: Units, held: Holding) -> int:
     return sum(recv(sizes[u], parts) for u, parts in held.items() if u != FREE)
 
 
-def _runs(holdings: list[Holding], units: Units) -> RankRuns:
-    # Sorted, touching runs joined and empty ones dropped here on plain ints (what
-    # RankRuns.build does with numpy calls per rank, the larger cost on these short lists).
-    starts: list[int] = units.starts.tolist()
-    out_s, out_n = [], []
-    for held in holdings:
-        runs = sorted((a if u == FREE else starts[u] + a, b - a)
-                      for u, parts in held.items() for a, b in parts)
-        got_s: list[int] = []
-        got_n: list[int] = []
-        for s, n in runs:
-            if n <= 0:
-                continue
-            if got_s and got_s[-1] + got_n[-1] == s:
-                got_n[-1] += n
-            else:
-                got_s.append(s)
-                got_n.append(n)
-        out_s.append(np.asarray(got_s, np.int64))
-        out_n.append(np.asarray(got_n, np.int64))
-    return RankRuns(tuple(out_s), tuple(out_n))
-
-
 def _attempt(units: Units, cp: int, t: int, mean: float, tolerance: float, share: float,
              fraction: float) -> list[Holding]:
     slices, anchors = allocate(units, cp, t, mean, mean * (1 + share * tolerance))
@@ -251,27 +229,6 @@ def _measure(units: Units, holdings: list[Holding]) -> tuple[np.ndarray, np.ndar
     """``(work, recv)`` per rank of ``holdings`` (the kind model's counts)."""
     return (np.asarray([_work(units, h) for h in holdings], np.int64),
             np.asarray([_recv(units, h) for h in holdings], np.int64))
-
-
-def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
-    """Every rank's holdings (parts per unit) from its stream runs."""
-    ends = units.starts + units.lengths
-    out: list[Holding] = []
-    for starts, lengths in zip(runs.starts, runs.lengths):
-        held: Holding = {}
-        for a, n in zip(starts.tolist(), lengths.tolist()):
-            e = a + n
-            while a < e:
-                u = int(np.searchsorted(ends, a, side="right"))
-                if u < units.starts.size and units.starts[u] <= a:
-                    b = min(e, int(ends[u]))
-                    held.setdefault(u, []).append((a - int(units.starts[u]), b - int(units.starts[u])))
-                else:  # a free slot: up to the next unit or the run's end
-                    b = min(e, int(units.starts[u])) if u < units.starts.size else e
-                    held.setdefault(FREE, []).append((a, b))
-                a = b
-        out.append(held)
-    return out
 
 
 def _fallback(units: Units, cp: int, t: int) -> list[Holding]:

@@ -24,6 +24,7 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 from cp_magi.locality.bins import FREE
+from cp_magi.locality.cut_score import _cut_score
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.units import Part, Units
 
@@ -363,50 +364,6 @@ def _causal_recv(held: Holding) -> int:
                     top = b
             total += top
     return total
-
-
-def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr: list[int],
-               cap: float, beat: float) -> float | None:
-    """The busiest holder's received rows when a causal unit of ``length`` rows is cut by
-    :func:`cp_magi.locality.expand.reshape` with ``tok`` rows and ``gl`` work per holder,
-    each holder also carrying ``ow`` work and receiving ``orr`` rows for its other units;
-    None when a holder's work passes ``cap`` or the busiest reaches ``beat``. The same cut
-    as reshape, step for step, without building the shapes: a hand-over is tried dozens of
-    times per unit and kept a few."""
-    x, y = 0, length
-    last = len(tok) - 1
-    worst = 0.0
-    for i in range(last + 1):
-        h = tok[i]
-        if i == last or h >= y - x:
-            # One part (x, y): reshape's last slice (or one that takes all that is left).
-            w = ow[i] + (y * (y + 1) - x * (x + 1)) // 2
-            got = orr[i] + x  # its top row y less the y - x rows it holds
-            x = y
-        else:  # h < y - x: the span is positive
-            a = round((h * y - h * (h - 1) / 2 - gl[i]) / (y - x - h))
-            if a < 0:  # comparisons, not min/max calls: this runs per tried hand-over
-                a = 0
-            elif a > h:
-                a = h
-            b = h - a
-            w = ow[i]
-            top = 0
-            if a > 0:
-                w += ((x + a) * (x + a + 1) - x * (x + 1)) // 2
-                top = x + a
-            if b > 0:
-                w += (y * (y + 1) - (y - b) * (y - b + 1)) // 2
-                top = y
-            got = orr[i] + top - (a + b if top else 0)
-            x, y = x + a, y - b
-        if w > cap:
-            return None
-        if got > worst:
-            worst = got
-        if worst >= beat:
-            return None
-    return worst
 
 
 def _merged(parts: list[Part]) -> list[Part]:
