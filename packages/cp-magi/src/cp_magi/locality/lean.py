@@ -37,6 +37,7 @@ from cp_magi.locality.bins import FREE, Bins, level, pour, work_of
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.stones import place_stones
+from cp_magi.locality.sweep import _causal_recv
 from cp_magi.locality.units import Part, Units, others
 
 Holding = dict[int, list[Part]]
@@ -274,16 +275,9 @@ def round_robin_recv(units: Units, cp: int) -> int:
                 if b > a:
                     per.setdefault(u, []).append((a, b))
         if units.model.graded:
-            # The causal count inline (model.recv of the graded kinds: the top held row
-            # less the rows held), a call per unit being most of this loop's time.
-            got = 0
-            for p in per.values():
-                top = 0
-                for a, b in p:
-                    got -= b - a
-                    if b > top:
-                        top = b
-                got += top
+            # The causal count inline (model.recv of the graded kinds), a call per unit
+            # being most of this loop's time.
+            got = _causal_recv(per)
         else:
             got = sum(recv(sizes[u], p) for u, p in per.items())
         best = max(best, got)

@@ -68,7 +68,7 @@ from cp_magi.locality.pack import pack
 from cp_magi.locality.runs_holdings import _runs, holdings_of_runs
 from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
-from cp_magi.locality.sweep import sweep
+from cp_magi.locality.sweep import _causal_recv, _causal_work, sweep
 from cp_magi.locality.units import Part, Units, others
 
 #: Anchor groups: (share of the tolerance the slices may use, sand fraction).
@@ -171,24 +171,14 @@ def split_sand(units: Units, fraction: float, anchors: np.ndarray
 def _work(units: Units, held: Holding) -> int:
     sizes = units.sizes  # plain ints: numpy scalar indexing per part was most of this sum
     if units.model.graded:  # the causal count inline (model.work of the graded kinds)
-        return sum((b * (b + 1) - a * (a + 1)) // 2
-                   for u, parts in held.items() if u != FREE for a, b in parts if b > a)
+        return _causal_work(held)
     work = units.model.work
     return sum(work(sizes[u], a, b) for u, parts in held.items() if u != FREE for a, b in parts)
 
 
 def _recv(units: Units, held: Holding) -> int:
     if units.model.graded:  # the causal count inline: per unit, its top held row less own
-        total = 0
-        for u, parts in held.items():
-            if u != FREE and parts:
-                top = 0
-                for a, b in parts:
-                    total -= b - a
-                    if b > top:
-                        top = b
-                total += top
-        return total
+        return _causal_recv(held)
     sizes = units.sizes  # plain ints: numpy scalar indexing per unit was most of this sum
     recv = units.model.recv
     return sum(recv(sizes[u], parts) for u, parts in held.items() if u != FREE)
