@@ -52,7 +52,7 @@ every rank solves alone and reaches the same placement.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable
 
 import numpy as np
@@ -254,21 +254,17 @@ class _Direct:
 
     def __init__(self, units: Units, cp: int, t: int, mean: float, tolerance: float) -> None:
         self.units, self.cp, self.t, self.mean, self.tolerance = units, cp, t, mean, tolerance
-        self._plan: LeanPlan | None = None
-        self._made = False
 
+    @cached_property
     def plan(self) -> LeanPlan | None:
-        """The plan (None where the construction does not apply)."""
-        if not self._made:
-            self._plan = lean_plan(self.units, self.cp, self.t, self.mean, self.tolerance)
-            self._made = True
-        return self._plan
+        """The plan (None where the construction does not apply), made on first use."""
+        return lean_plan(self.units, self.cp, self.t, self.mean, self.tolerance)
 
     def __call__(self, sand: float, beat: float = float("inf")) -> list[Holding] | None:
         """The placement with ``sand`` of the fill kept back as sand, or None when the
         sliced long units alone show that it cannot receive less than :data:`LEAN_ROOM` of
         ``beat`` (the best balanced placement so far)."""
-        plan = self.plan()
+        plan = self.plan
         if plan is None:
             raise ValueError("the direct construction does not apply")
         if plan.floor(self.units) >= LEAN_ROOM * beat:
