@@ -26,9 +26,14 @@ def _watch_mesh(*a, **k):
     return m
 _dm.init_device_mesh = _watch_mesh
 """
-#: After it: how many are still alive once the script's own teardown is done.
+#: After it: how many are still alive once the script's own teardown is done, and how many
+#: gloo worker threads still run (any process group's, the default group's included).
 REPORT = """
+import os as _os
 print(f"groups alive {sum(r() is not None for r in _groups)} of {len(_groups)}", flush=True)
+if _os.path.isdir("/proc/self/task"):  # thread names: Linux only
+    _names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in _os.listdir("/proc/self/task")]
+    print(f"gloo workers {_names.count('pt_gloo_runloop')}", flush=True)
 """
 
 
@@ -43,6 +48,11 @@ def test_readme_training_step_runs(tmp_path: Path) -> None:
     # down. With the mesh at module level they all were still alive here.
     alive = re.findall(r"groups alive (\d+) of (\d+)", proc.stdout)
     assert len(alive) == 4 and all(a == "0" and n == "2" for a, n in alive), proc.stdout
+    # No group at all is left running, the default one included: torch binds the live default
+    # group into torch.distributed.nn's signatures when the first optimizer imports it, unless
+    # cp_core (imported before init_process_group) had that module imported first.
+    workers = re.findall(r"gloo workers (\d+)", proc.stdout)
+    assert workers == ["0"] * 4 or not Path("/proc/self/task").is_dir(), proc.stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 3, proc.stdout
     # Rank 0 prints replica 0's share of the dp x cp token mean; the same three AdamW steps

@@ -48,6 +48,12 @@ from cp_core.placement.tokens import (
     reorder_gathered_token_tensor,
     shard_token_tensor_by_indices,
 )
+from cp_core.comm.world_defaults import bind_world_defaults_early
+
+# Now, while no process group exists yet (cp_core is imported before init_process_group): a
+# torch module that training code imports later (the first optimizer does) would otherwise
+# hold the default group past destroy_process_group() (see the module).
+bind_world_defaults_early()
 
 # NeMo AutoModel's (private) spelling of reorder_gathered_token_tensor, so code and tests
 # ported from its sharder module run with only the import changed (docs/nemo.md). Not in
