@@ -293,7 +293,8 @@ def _random_holdings(rng, units, cp: int) -> list[dict]:
 def test_solver_counts_and_runs_equal_the_straightforward_forms(kind: str) -> None:
     from cp_core.backend_api import RankRuns
     from cp_magi.locality.bins import FREE
-    from cp_magi.locality.solver import _recv, _runs, _work
+    from cp_magi.locality.runs_holdings import _runs
+    from cp_magi.locality.solver import _recv, _work
     from cp_magi.locality.units import build_units
 
     rng = np.random.default_rng(21)

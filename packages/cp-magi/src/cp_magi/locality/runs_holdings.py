@@ -7,6 +7,7 @@ import numpy as np
 
 from cp_core.backend_api import RankRuns
 from cp_magi.locality.bins import FREE
+from cp_magi.locality.schedule import UnitPart
 from cp_magi.locality.units import Part, Units
 
 Holding = dict[int, list[Part]]
@@ -34,18 +35,34 @@ def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
 
 
 def _runs(holdings: list[Holding], units: Units) -> RankRuns:
+    return runs_and_parts(holdings, units)[0]
+
+
+def runs_and_parts(holdings: list[Holding], units: Units
+                   ) -> tuple[RankRuns, tuple[tuple[UnitPart, ...], ...]]:
+    """Every rank's stream runs, and its unit parts ``(unit, a, b, local row)`` in storage
+    order (what :class:`cp_magi.locality.schedule.LocalitySchedule` reads)."""
     # Sorted, touching runs joined and empty ones dropped here on plain ints (what
     # RankRuns.build does with numpy calls per rank, the larger cost on these short lists).
     starts: list[int] = units.starts.tolist()
-    out_s, out_n = [], []
+    out_s, out_n, out_p = [], [], []
     for held in holdings:
-        runs = sorted((a if u == FREE else starts[u] + a, b - a)
+        runs = sorted((a if u == FREE else starts[u] + a, b - a, u, a)
                       for u, parts in held.items() for a, b in parts)
         got_s: list[int] = []
         got_n: list[int] = []
-        for s, n in runs:
+        got_p: list[UnitPart] = []
+        loc = 0
+        for s, n, u, a in runs:
             if n <= 0:
                 continue
+            if u != FREE:
+                last = got_p[-1] if got_p else None
+                if last is not None and last[0] == u and last[2] == a:  # touching: one part
+                    got_p[-1] = (u, last[1], a + n, last[3])
+                else:
+                    got_p.append((u, a, a + n, loc))
+            loc += n
             if got_s and got_s[-1] + got_n[-1] == s:
                 got_n[-1] += n
             else:
@@ -53,7 +70,8 @@ def _runs(holdings: list[Holding], units: Units) -> RankRuns:
                 got_n.append(n)
         out_s.append(np.asarray(got_s, np.int64))
         out_n.append(np.asarray(got_n, np.int64))
-    return RankRuns(tuple(out_s), tuple(out_n))
+        out_p.append(tuple(got_p))
+    return RankRuns(tuple(out_s), tuple(out_n)), tuple(out_p)
 
 
-__all__ = ["holdings_of_runs", "_runs"]
+__all__ = ["holdings_of_runs", "runs_and_parts", "_runs"]

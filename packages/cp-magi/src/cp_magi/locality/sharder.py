@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from cp_core.backend_api import (
+    SCHEDULE_BUILDER,
     ShardOptions,
     ShardResult,
     cp_rank,
@@ -80,6 +81,8 @@ def shard_batch_locality(
                              tolerance=tolerance, effort=effort)
     padded = per_rank_divisor(size, placement.tokens_per_rank)
     rank_runs = placement.runs
+    if placement.schedule is not None:  # the p2p schedule in closed form (causal masks)
+        rank_runs.cache[SCHEDULE_BUILDER] = placement.schedule
     local = rank_runs.local_indices(rank, nb.primary.device)
     out = select_flat(nb, local, padded - stream_len, opts)
     layout = flat_layout(nb, local, padded, rank_runs,

@@ -65,7 +65,8 @@ from cp_magi.locality.floor import recv_floor
 from cp_magi.locality.lean import SAND, LeanPlan, lean_fill, lean_plan, round_robin_recv
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.pack import pack
-from cp_magi.locality.runs_holdings import _runs, holdings_of_runs
+from cp_magi.locality.runs_holdings import holdings_of_runs, runs_and_parts
+from cp_magi.locality.schedule import LocalitySchedule
 from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
 from cp_magi.locality.sweep import _causal_recv, _causal_work, sweep
@@ -138,6 +139,8 @@ class Placement:
             (rank-level packing), ``groups`` (an anchor's ranks as one bin), ``stairs``
             (long units over consecutive ranks under a bound on received rows,
             :mod:`cp_magi.locality.stairs`) or ``dispatch`` (the equal-chunk fallback).
+        schedule: the closed form of the p2p schedule under the units' causal mask
+            (:mod:`cp_magi.locality.schedule`), None when not made.
     """
 
     runs: RankRuns
@@ -146,6 +149,7 @@ class Placement:
     split_units: int
     tokens_per_rank: int
     method: str = "pack"
+    schedule: LocalitySchedule | None = None
 
     @property
     def balance(self) -> float:
@@ -359,7 +363,9 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
         for u in held:
             if u != FREE:
                 owners[u] += 1
-    return Placement(_runs(holdings, units), work, recv, int((owners > 1).sum()), t, method)
+    runs, parts = runs_and_parts(holdings, units)
+    return Placement(runs, work, recv, int((owners > 1).sum()), t, method,
+                     LocalitySchedule(units.starts, units.lengths, parts))
 
 
 __all__ = ["Placement", "solve", "split_sand", "ATTEMPTS"]

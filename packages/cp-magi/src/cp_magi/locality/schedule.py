@@ -1,0 +1,196 @@
+"""The p2p schedule of a locality placement under a causal mask, written down per unit part.
+
+cp-core builds a rank's schedule for any layout by cropping every mask rectangle to every
+pair of runs (:func:`cp_core.plan.crop.schedule_parts`): a numpy crop over all rectangles,
+then pieces cut, merged and regrouped by source. A locality placement knows more: every rank
+holds *parts* of units (a whole unit, or the head or tail rows of one), and under a causal
+mask with one causal square per unit a query part ``[a, b)`` of unit ``u`` sees
+
+* its own rows causally (one causal square; a one-row square is a FULL piece, as the generic
+  builder cuts it);
+* every other part ``[c, d)`` of ``u`` with ``d <= a`` fully, wherever it is held (parts of
+  one unit are disjoint, so a part is either wholly below ``a`` or wholly above ``b``);
+* nothing else.
+
+So a rank's pieces come from the pairs of parts of the units it shares, and what it receives
+from ``s`` (sends to ``s``) is the union of ``s``'s parts below its own top part (its parts
+below ``s``'s top part), in storage order, touching ranges joined. The pieces are then merged
+and ordered as the generic builder orders them (causal squares in stream order, FULL pieces
+merged along keys, then along queries, sorted by key rows); ``tests/test_locality_schedule.py``
+holds the two equal on every rank of many placements. Any other mask (windows, bidirectional,
+pad holes, rectangles of another stream) gets None, and the generic builder runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cp_core.backend_api import CAUSAL, FULL, INF
+
+#: One piece in :class:`cp_core.plan.pieces.Piece` field order.
+PieceTuple = tuple[int, int, int, int, int, int, int, int, int]
+Ranges = list[tuple[int, int]]
+Parts = tuple[list[PieceTuple], list[tuple[int, Ranges, list[PieceTuple], int, Ranges]]]
+#: ``(unit, a, b, local row of a)``: rows ``[a, b)`` of ``unit`` (relative to its start),
+#: held from local row ``local`` on.
+UnitPart = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class LocalitySchedule:
+    """What the closed form needs of a placement: the units' stream starts and lengths, and
+    every rank's unit parts in storage order. Called as ``builder(rects, rank)`` by
+    :func:`cp_core.plan.schedule.schedule_from_runs` (a record, not a closure, so a shard
+    made in a data-loader worker pickles)."""
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    parts: tuple[tuple[UnitPart, ...], ...]
+
+    def _matches(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` are one causal square per unit, in stream order (bottom-right
+        aligned: ``k - q <= 0``), all of one batch row: the mask this closed form knows."""
+        if rows.shape[0] != self.starts.size:
+            return False
+        if rows.shape[0] == 0:
+            return True
+        ends = self.starts + self.lengths
+        return bool((rows[:, 0] == rows[0, 0]).all()
+                    and np.array_equal(rows[:, 1], self.starts)
+                    and np.array_equal(rows[:, 2], ends)
+                    and np.array_equal(rows[:, 3], self.starts)
+                    and np.array_equal(rows[:, 4], ends)
+                    and (rows[:, 5] == -INF).all() and (rows[:, 6] == 0).all())
+
+    def __call__(self, rects: Any, rank: int) -> Parts | None:
+        """This rank's local pieces and ring steps, or None when ``rects`` is not the causal
+        mask of these units (the caller then builds them generically)."""
+        rows = rects.rows
+        if not self._matches(rows):
+            return None
+        b = int(rows[0, 0]) if rows.shape[0] else -1
+        size = len(self.parts)
+        # Every holder of every unit this rank holds, and the highest start of a part per
+        # (rank, unit): a part of another rank is seen by ours when it ends at or below it.
+        mine = self.parts[rank]
+        shared = {u for u, _, _, _ in mine}
+        holders: dict[int, list[tuple[int, int, int, int]]] = {}
+        for s, held in enumerate(self.parts):
+            for u, a, e, loc in held:
+                if u in shared:
+                    holders.setdefault(u, []).append((s, a, e, loc))
+        my_top: dict[int, int] = {}
+        for u, a, _, _ in mine:
+            if a > my_top.get(u, -1):
+                my_top[u] = a
+
+        causal: list[PieceTuple] = []
+        full: dict[int, list[PieceTuple]] = {}
+        recv: dict[int, Ranges] = {}
+        for u, a, e, loc in mine:
+            n = e - a
+            if n > 1:
+                causal.append((b, loc, loc + n, rank, loc, loc + n, CAUSAL, -INF, INF))
+            else:
+                full.setdefault(rank, []).append((b, loc, loc + 1, rank, loc, loc + 1, FULL,
+                                                  -INF, INF))
+            for s, c, d, kloc in holders[u]:
+                if d <= a:
+                    full.setdefault(s, []).append((b, loc, loc + n, s, kloc, kloc + d - c,
+                                                   FULL, -INF, INF))
+        for u, top in my_top.items():
+            for s, c, d, kloc in holders[u]:
+                if s != rank and d <= top:
+                    recv.setdefault(s, []).append((kloc, kloc + d - c))
+        recv = {s: _joined(r) for s, r in recv.items()}
+        local = causal + _merge_full(full.pop(rank, []))
+        by_src = {s: _merge_full(_to_buffer(ps, recv[s])) for s, ps in full.items()}
+
+        # What each peer's parts reach of ours: ours that end at or below its top part.
+        send: dict[int, Ranges] = {}
+        for u in shared:
+            tops: dict[int, int] = {}
+            for s, c, _, _ in holders[u]:
+                if s != rank and c > tops.get(s, -1):
+                    tops[s] = c
+            if not tops:
+                continue
+            for s2, c, d, kloc in holders[u]:
+                if s2 == rank:
+                    for s, top in tops.items():
+                        if d <= top:
+                            send.setdefault(s, []).append((kloc, kloc + d - c))
+        send = {s: _joined(r) for s, r in send.items()}
+
+        steps = []
+        for i in range(1, size):
+            src, dst = (rank - i) % size, (rank + i) % size
+            ranges = recv.get(src, [])
+            steps.append((src, ranges, by_src.get(src, []) if ranges else [], dst,
+                          send.get(dst, [])))
+        return local, steps
+
+
+def _joined(ranges: Ranges) -> Ranges:
+    """Disjoint ``[a, b)`` ranges sorted, touching ones joined."""
+    out: Ranges = []
+    for a, e in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((a, e))
+    return out
+
+
+def _to_buffer(pieces: list[PieceTuple], needed: Ranges) -> list[PieceTuple]:
+    """Pieces re-addressed to a receive buffer holding ``needed`` back to back (each piece's
+    keys lie inside one needed range)."""
+    where: dict[int, int] = {}
+    pos = 0
+    for a, e in needed:
+        where[a] = pos - a
+        pos += e - a
+    starts = [a for a, _ in needed]
+    out = []
+    for p in pieces:
+        shift = where.get(p[4])
+        if shift is None:  # keys inside a joined range: find the range that holds them
+            lo, hi = 0, len(starts)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if starts[mid] <= p[4]:
+                    lo = mid
+                else:
+                    hi = mid
+            shift = where[starts[lo]]
+        out.append((p[0], p[1], p[2], p[3], p[4] + shift, p[5] + shift, p[6], p[7], p[8]))
+    return out
+
+
+def _merge_full(pieces: list[PieceTuple]) -> list[PieceTuple]:
+    """FULL pieces of the same query rows whose keys touch joined, then those of the same
+    keys whose query rows touch, sorted by (key rows, query rows): the generic builder's
+    order (:func:`cp_core.plan.pieces.merge_full_pieces`)."""
+    if len(pieces) < 2:
+        return pieces
+    merged: list[PieceTuple] = []
+    for p in sorted(pieces, key=lambda p: (p[1], p[2], p[4])):
+        last = merged[-1] if merged else None
+        if last is not None and last[1] == p[1] and last[2] == p[2] and last[5] == p[4]:
+            merged[-1] = last[:5] + (p[5],) + last[6:]
+        else:
+            merged.append(p)
+    out: list[PieceTuple] = []
+    for p in sorted(merged, key=lambda p: (p[4], p[5], p[1])):
+        last = out[-1] if out else None
+        if last is not None and last[4] == p[4] and last[5] == p[5] and last[2] == p[1]:
+            out[-1] = last[:2] + (p[2],) + last[3:]
+        else:
+            out.append(p)
+    return out
+
+
+__all__ = ["LocalitySchedule", "UnitPart"]
