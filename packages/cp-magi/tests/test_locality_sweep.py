@@ -148,7 +148,8 @@ def test_causal_counts_are_the_models() -> None:
 
 def _outer_heavy_copying(units, holdings, cap):
     """outer_heavy as first written: the lists copied per tried hand-over, the shapes built
-    per kept one, the counts by the kind model."""
+    per kept one, the counts by the kind model; a unit's holders taken front to back in the
+    rings' order (the highest top row first)."""
     from cp_magi.locality.expand import reshape
     from cp_magi.locality.sweep import _cut_score, _merged
 
@@ -170,7 +171,7 @@ def _outer_heavy_copying(units, holdings, cap):
         if len(rs) < 2:
             continue
         length = sizes[u]
-        rs = sorted(rs, key=lambda r: (-sum(b - a for a, b in out[r][u]), r))
+        rs = sorted(rs, key=lambda r: (-max(b for _, b in out[r][u]), r))
         tokens = [sum(b - a for a, b in out[r][u]) for r in rs]
         own_w = [sum(work(length, a, b) for a, b in out[r][u]) for r in rs]
         own_r = [recv(length, out[r][u]) for r in rs]

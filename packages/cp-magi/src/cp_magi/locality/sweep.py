@@ -26,6 +26,7 @@ import numpy as np
 from cp_magi.locality.bins import FREE
 from cp_magi.locality.cut_score import _cut_score
 from cp_magi.locality.expand import reshape
+from cp_magi.locality.ring_order import ring_orders
 from cp_magi.locality.units import Part, Units
 
 Holding = dict[int, list[Part]]
@@ -212,31 +213,29 @@ def _cut_cost(line: Line, x: int) -> int:
 
 
 def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
-    """Every unit held by several ranks cut again into nested rings, the outermost (the one
-    with the unit's last row) to the rank holding most of it, the next to the next, with
-    every rank's row count kept. A ring is a head and a tail of the same size (within a
-    row), so its work per row is the unit's (causal: exactly ``(L + 1) / 2``) wherever it
-    lies and the balance stays; what moves is who receives: the holder of the ring at depth
-    ``x`` receives ``L - x - own``, least for the largest holder outside."""
+    """Every unit held by several ranks cut again into nested rings, with every rank's row
+    count kept. A ring is a head and a tail of the same size (within a row), so its work per
+    row is the unit's (causal: exactly ``(L + 1) / 2``) wherever it lies and the balance
+    stays; what moves is who receives: the holder of the ring at depth ``x`` receives
+    ``L - x - own``. Which holder takes which depth: :mod:`cp_magi.locality.ring_order` (the
+    outermost to the holder with most rows, then exchanges that lower the busiest)."""
     holders: dict[int, list[int]] = {}
     for r, held in enumerate(holdings):
         for u in held:
             if u != FREE:
                 holders.setdefault(u, []).append(r)
     out = [dict(h) for h in holdings]
-    for u, rs in holders.items():
-        if len(rs) < 2:
-            continue
-        # Rows per holder, for the units held by several ranks only (a few of many).
-        got = [(r, sum(b - a for a, b in holdings[r][u])) for r in rs]
-        length = int(units.lengths[u])
-        front, back = 0, length
-        ranked = sorted(got, key=lambda x: (-x[1], x[0]))
-        for i, (r, own) in enumerate(ranked):
+    # Rows per holder, for the units held by several ranks only (a few of many).
+    own = {u: {r: sum(b - a for a, b in holdings[r][u]) for r in rs}
+           for u, rs in holders.items() if len(rs) > 1}
+    lengths = {u: int(units.lengths[u]) for u in own}
+    for u, ranked in ring_orders(lengths, own, len(holdings)).items():
+        front, back = 0, lengths[u]
+        for i, r in enumerate(ranked):
             if i == len(ranked) - 1:
                 heads, tails = back - front, 0
             else:
-                heads, tails = (own + 1) // 2, own // 2
+                heads, tails = (own[u][r] + 1) // 2, own[u][r] // 2
             parts = [p for p in ((front, front + heads), (back - tails, back)) if p[1] > p[0]]
             out[r][u] = _merged(parts)
             front, back = front + heads, back - tails
@@ -277,8 +276,9 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
                     key=lambda v: (-sizes[v], v)):
         length = sizes[u]
         own_t = {r: sum(b - a for a, b in out[r][u]) for r in holders[u]}
-        # Front to back: the outer holder (most rows) first, as the rings cut them.
-        rs = sorted(own_t, key=lambda r: (-own_t[r], r))
+        # Front to back: the outer holder (highest top row) first, as the rings cut them.
+        top = {r: max((b for _, b in out[r][u]), default=0) for r in holders[u]}
+        rs = sorted(own_t, key=lambda r: (-top[r], r))
         tokens = [own_t[r] for r in rs]
         own_w = [_causal_work({u: out[r][u]}) for r in rs]
         own_r = [_causal_recv({u: out[r][u]}) for r in rs]
