@@ -64,7 +64,13 @@ def _totals(lengths, own, order, ranks) -> list[int]:
     return total
 
 
-def test_the_order_is_never_worse_than_most_rows_outermost_and_often_the_best() -> None:
+@pytest.mark.parametrize("search", ["every exchange", "busiest moves"])
+def test_the_order_is_never_worse_than_most_rows_outermost_and_often_the_best(
+        monkeypatch, search: str) -> None:
+    import cp_magi.locality.ring_order as ring_order
+
+    if search == "busiest moves":  # the search of units with many holders, on small ones
+        monkeypatch.setattr(ring_order, "EVERY_PAIR", 1)
     strictly, best = 0, 0
     n = 60
     for seed in range(n):
@@ -84,8 +90,8 @@ def test_the_order_is_never_worse_than_most_rows_outermost_and_often_the_best() 
         assert mine >= least
         best += mine == least
     # The exchanges matter, and reach the best order on most of these small cases.
-    assert strictly >= n // 2, strictly  # 42 of 60 when written
-    assert best >= 3 * n // 4, best  # 49 of 60 when written
+    assert strictly >= n // 2, strictly  # 42 and 41 of 60 when written
+    assert best >= 2 * n // 3, best  # 49 and 47 of 60 when written
 
 
 def test_two_outer_rings_are_not_left_on_one_rank() -> None:

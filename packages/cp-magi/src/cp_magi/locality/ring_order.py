@@ -23,6 +23,11 @@ from __future__ import annotations
 #: Passes over the cut units (development rows, cp 8 and 16: one pass 0.861 and 0.907 of
 #: round_robin's busiest rank, two 0.860 and 0.899, five 0.860 and 0.901).
 PASSES = 2
+#: Units with at most this many holders try every exchange of two depths (their cube in
+#: host time); units with more move their busiest holder only, to its best depth, while that
+#: helps (development rows: every exchange lowered cp 16 from 0.909 to 0.899 of round_robin's
+#: busiest rank; at cp 64 it cost 55 ms a row for 0.917 -> 0.917).
+EVERY_PAIR = 16
 
 
 def ring_receives(length: int, sizes: list[int]) -> list[int]:
@@ -47,37 +52,139 @@ def ring_orders(lengths: dict[int, int], own: dict[int, dict[int, int]], ranks: 
                 passes: int = PASSES) -> dict[int, list[int]]:
     """Per cut unit (``lengths``: its rows; ``own``: rows per holder), its holders outermost
     first (module docstring); ``ranks`` ranks in all."""
-    order = {u: sorted(held, key=lambda r: (-held[r], r)) for u, held in own.items()}
     total = [0] * ranks
-    mine: dict[int, dict[int, int]] = {}
-    for u, rs in order.items():
-        mine[u] = dict(zip(rs, ring_receives(lengths[u], [own[u][r] for r in rs])))
-        for r, v in mine[u].items():
+    cuts: dict[int, _Rings] = {}
+    for u, held in own.items():
+        cuts[u] = _Rings(lengths[u], held, sorted(held, key=lambda r: (-held[r], r)))
+        for r, v in zip(cuts[u].order, cuts[u].recv):
             total[r] += v
-    units = sorted(order, key=lambda v: (-lengths[v], v))
+    units = sorted(cuts, key=lambda v: (-lengths[v], v))
     for _ in range(passes):
         changed = False
         for u in units:
-            rs = order[u]
-            if len(rs) < 2:
+            rings = cuts[u]
+            if len(rings.order) < 2:
                 continue
-            held, cur = own[u], mine[u]
-            for i in range(len(rs)):
-                for j in range(i + 1, len(rs)):
-                    tried = list(rs)
-                    tried[i], tried[j] = tried[j], tried[i]
-                    got = dict(zip(tried, ring_receives(lengths[u], [held[r] for r in tried])))
-                    before = sorted((total[r] for r in rs), reverse=True)
-                    after = sorted((total[r] - cur[r] + got[r] for r in rs), reverse=True)
-                    if after < before:
-                        for r in rs:
-                            total[r] += got[r] - cur[r]
-                        mine[u] = cur = got
-                        order[u] = rs = tried
-                        changed = True
+            if len(rings.order) <= EVERY_PAIR:
+                changed |= rings.every_exchange(total)
+            else:
+                changed |= rings.busiest_moves(total)
         if not changed:
             break
-    return order
+    return {u: rings.order for u, rings in cuts.items()}
 
 
-__all__ = ["ring_receives", "ring_orders", "PASSES"]
+class _Rings:
+    """One cut unit's holders in depth order (outermost first), with each depth's first
+    head row, the row after its tail, and what its holder receives."""
+
+    def __init__(self, length: int, held: dict[int, int], order: list[int]) -> None:
+        self.length, self.held, self.order = length, held, order
+        self._count()
+
+    def _count(self) -> None:
+        self.front: list[int] = []
+        self.back: list[int] = []
+        front, back = 0, self.length
+        for r in self.order:
+            self.front.append(front)
+            self.back.append(back)
+            n = self.held[r]
+            front, back = front + (n + 1) // 2, back - n // 2
+        self.recv = ring_receives(self.length, [self.held[r] for r in self.order])
+
+    def _exchanged(self, i: int, j: int) -> list[int]:
+        """Received rows of depths ``i..j`` (``i < j``) once their holders are exchanged:
+        the depths before ``i`` keep their cut, the ones after ``j`` their front and back."""
+        order, held = self.order, self.held
+        last = len(order) - 1
+        front, back = self.front[i], self.back[i]
+        out = []
+        for k in range(i, j + 1):
+            r = order[j] if k == i else order[i] if k == j else order[k]
+            n = held[r]
+            if k == last:
+                out.append(front)
+                break
+            heads, tails = (n + 1) // 2, n // 2
+            out.append((back if tails else front + heads) - n)
+            front, back = front + heads, back - tails
+        return out
+
+    def _try(self, i: int, j: int, total: list[int]) -> tuple[list[int], list[int]] | None:
+        """The exchange of depths ``i < j`` when it lowers the received rows of the unit's
+        holders, sorted from the most (only depths ``i..j`` change, and two sorted lists
+        differing in those entries compare as those entries do), as ``(sorted after, new
+        received rows of depths i..j)``; else None."""
+        order, recv = self.order, self.recv
+        new = self._exchanged(i, j)
+        before, after = [], []
+        for k in range(i, j + 1):
+            r = order[j] if k == i else order[i] if k == j else order[k]
+            old_k = i if k == j else j if k == i else k  # where r was before
+            before.append(total[r])
+            after.append(total[r] - recv[old_k] + new[k - i])
+        before.sort(reverse=True)
+        after.sort(reverse=True)
+        return (after, new) if after < before else None
+
+    def _apply(self, i: int, j: int, new: list[int], total: list[int]) -> None:
+        order = self.order
+        for k in range(i, j + 1):
+            r = order[j] if k == i else order[i] if k == j else order[k]
+            old_k = i if k == j else j if k == i else k
+            total[r] += new[k - i] - self.recv[old_k]
+        order[i], order[j] = order[j], order[i]
+        self._count()
+
+    def every_exchange(self, total: list[int]) -> bool:
+        """Every exchange of two depths, in turn, each kept when it lowers the holders'
+        received rows (:meth:`_try`). Whether one was kept."""
+        kept = False
+        for i in range(len(self.order)):
+            for j in range(i + 1, len(self.order)):
+                got = self._try(i, j, total)
+                if got is not None:
+                    self._apply(i, j, got[1], total)
+                    kept = True
+        return kept
+
+    def busiest_moves(self, total: list[int]) -> bool:
+        """The busiest holder's depth exchanged with the one that lowers the holders'
+        received rows most, while one does. Whether one was kept."""
+        kept = False
+        for _ in range(len(self.order)):
+            order = self.order
+            b = max(range(len(order)), key=lambda k: (total[order[k]], -k))
+            best = None
+            for k in range(len(order)):
+                if k != b:
+                    i, j = min(b, k), max(b, k)
+                    got = self._try(i, j, total)
+                    # Compared over the unit's holders: the unchanged ones are the same.
+                    if got is not None:
+                        whole = sorted((total[r] for r in order), reverse=True)
+                        key = _merged_after(whole, order, i, j, total, got[0])
+                        if best is None or key < best[0]:
+                            best = (key, i, j, got[1])
+            if best is None:
+                break
+            _, i, j, new = best
+            self._apply(i, j, new, total)
+            kept = True
+        return kept
+
+
+def _merged_after(whole: list[int], order: list[int], i: int, j: int, total: list[int],
+                  after: list[int]) -> list[int]:
+    """The unit's holders' received rows, sorted from the most, with depths ``i..j`` at
+    ``after``."""
+    out = list(whole)
+    for k in range(i, j + 1):
+        out.remove(total[order[k]])
+    out += after
+    out.sort(reverse=True)
+    return out
+
+
+__all__ = ["ring_receives", "ring_orders", "PASSES", "EVERY_PAIR"]
