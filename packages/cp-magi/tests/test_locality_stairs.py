@@ -161,8 +161,9 @@ def test_slices_never_receive_more_than_the_bound() -> None:
 def test_beats_round_robin_where_the_one_pass_constructions_do_not() -> None:
     """Four documents of one rank's share (one a row shorter) and one of a single row on 4
     ranks of 128: whole, one per rank, they are balanced within 1 % and nobody receives a
-    key. The sweep and the direct construction cut them; the stairs keep them whole, and
-    round_robin's busiest rank, counted by the truth from its own indices, receives 65."""
+    key. The sweep cuts one of them at its first row (1 row received, far below
+    round_robin's busiest rank, which the truth counts at 65 from its own indices, so the
+    quick search stops there); the stairs, searched with ``effort="full"``, keep them whole."""
     lengths = [128, 128, 127, 128, 1]
     cp = 4
     batch = make_packed_batch([lengths], vocab=50, seed=0)
@@ -174,7 +175,9 @@ def test_beats_round_robin_where_the_one_pass_constructions_do_not() -> None:
         rr_idx.append(sharder.shard_layout.local_token_global_indices)
     _, rr_recv = truth_counts(allowed, rr_idx)
     assert max(rr_recv) == 65
-    placement = solve(row_units(lengths, 512, "causal"), cp)
+    quick = solve(row_units(lengths, 512, "causal"), cp)
+    assert quick.method == "sweep" and int(quick.recv.max()) == 1
+    placement = solve(row_units(lengths, 512, "causal"), cp, effort="full")
     assert placement.method == "stairs"
     indices = [torch.from_numpy(np.concatenate(
         [np.arange(s, s + n) for s, n in zip(st.tolist(), ln.tolist())]))

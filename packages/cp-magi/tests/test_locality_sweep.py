@@ -149,7 +149,7 @@ def test_causal_counts_are_the_models() -> None:
 def _outer_heavy_copying(units, holdings, cap):
     """outer_heavy as first written: the lists copied per tried hand-over, the shapes built
     per kept one, the counts by the kind model; a unit's holders taken front to back in the
-    rings' order (the highest top row first)."""
+    rings' order (the highest top row first), then reordered by exchanges."""
     from cp_magi.locality.expand import reshape
     from cp_magi.locality.sweep import _cut_score, _merged
 
@@ -211,6 +211,22 @@ def _outer_heavy_copying(units, holdings, cap):
             whole[v] = rs[j]
             rank_w[rs[0]] -= works[v]
             rank_w[rs[j]] += works[v]
+        # Then every exchange of two holders' depths, kept when the busiest holder receives
+        # less (units of up to 16 holders, two passes), the lists copied per try.
+        order = list(range(len(rs)))
+        for _ in range(2 if len(rs) <= 16 else 0):
+            changed = False
+            for i in range(len(rs)):
+                for k in range(i + 1, len(rs)):
+                    o = list(order)
+                    o[i], o[k] = o[k], o[i]
+                    got = score(*([x[m] for m in o] for x in (tokens, goals, other_w, other_r)),
+                                best)
+                    if got is not None:
+                        (best, shapes), order, changed = got, o, True
+            if not changed:
+                break
+        rs, own_w, own_r = ([x[m] for m in order] for x in (rs, own_w, own_r))
         for i, r in enumerate(rs):
             parts = [p for p in shapes[i] if p[1] > p[0]]
             if parts:

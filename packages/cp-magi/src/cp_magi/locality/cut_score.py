@@ -48,4 +48,41 @@ def _cut_score(length: int, tok: list[int], gl: list[float], ow: list[int], orr:
     return worst
 
 
-__all__ = ["_cut_score"]
+#: Units with at most this many holders have their depth order searched (:func:`best_order`;
+#: the cube of the holders in host time).
+ORDER_HOLDERS = 16
+#: Passes of :func:`best_order` over the exchanges.
+ORDER_PASSES = 2
+
+
+def best_order(length: int, tok: list[int], gl: list[float], ow: list[int], orr: list[int],
+               cap: float, best: float) -> list[int] | None:
+    """The holders front to back (indices into the lists) for :func:`_cut_score`'s cut: every
+    exchange of two holders' depths (each keeping its rows, work goal and other material)
+    tried in turn, kept when the busiest holder receives fewer rows and none passes ``cap``;
+    ``best``: the given order's score. None when no exchange helps, or the unit has more than
+    :data:`ORDER_HOLDERS` holders (the cost). The rings' order (:mod:`cp_magi.locality.
+    ring_order`) counts ring cuts only; this one counts the cut the unit will get, after its
+    outer holder's hand-overs made it head-heavy."""
+    n = len(tok)
+    if n < 2 or n > ORDER_HOLDERS:
+        return None
+    order = list(range(n))
+    kept = False
+    for _ in range(ORDER_PASSES):
+        changed = False
+        for i in range(n):
+            for j in range(i + 1, n):
+                o = list(order)
+                o[i], o[j] = o[j], o[i]
+                got = _cut_score(length, [tok[k] for k in o], [gl[k] for k in o],
+                                 [ow[k] for k in o], [orr[k] for k in o], cap, best)
+                if got is not None:  # below best: _cut_score stops at it
+                    best, order, changed = got, o, True
+        if not changed:
+            break
+        kept = True
+    return order if kept else None
+
+
+__all__ = ["_cut_score", "best_order", "ORDER_HOLDERS", "ORDER_PASSES"]

@@ -20,11 +20,12 @@ the units (numpy) and ``cp`` bisections: no search.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from math import inf
 
 import numpy as np
 
 from cp_magi.locality.bins import FREE
-from cp_magi.locality.cut_score import _cut_score
+from cp_magi.locality.cut_score import _cut_score, best_order
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.ring_order import ring_orders
 from cp_magi.locality.units import Part, Units
@@ -296,6 +297,12 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
             whole[v] = rs[j]
             rank_w[rs[0]] -= works[v]  # a whole unit receives nothing
             rank_w[rs[j]] += works[v]
+        # Then the holders' depths, where another order lowers the busiest of them.
+        order = best_order(length, tokens, goals, other_w, other_r, cap,
+                           _cut_score(length, tokens, goals, other_w, other_r, cap, inf))
+        if order is not None:
+            rs, tokens, goals, own_w, own_r = ([x[k] for k in order]
+                                               for x in (rs, tokens, goals, own_w, own_r))
         # The cut of the last kept hand-over (or of none), built once.
         for i, (r, shape) in enumerate(zip(rs, reshape(length, tokens, goals))):
             parts = [p for p in shape if p[1] > p[0]]
