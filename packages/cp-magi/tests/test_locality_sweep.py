@@ -212,9 +212,10 @@ def _outer_heavy_copying(units, holdings, cap):
             rank_w[rs[0]] -= works[v]
             rank_w[rs[j]] += works[v]
         # Then every exchange of two holders' depths, kept when the busiest holder receives
-        # less (units of up to 16 holders, two passes), the lists copied per try.
+        # less (units of up to 16 holders whose busiest holder is at 0.9 of the busiest rank
+        # or more, two passes), the lists copied per try.
         order = list(range(len(rs)))
-        for _ in range(2 if len(rs) <= 16 else 0):
+        for _ in range(2 if len(rs) <= 16 and best >= 0.9 * max(rank_r) else 0):
             changed = False
             for i in range(len(rs)):
                 for k in range(i + 1, len(rs)):

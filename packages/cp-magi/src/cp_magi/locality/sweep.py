@@ -20,12 +20,11 @@ the units (numpy) and ``cp`` bisections: no search.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from math import inf
 
 import numpy as np
 
 from cp_magi.locality.bins import FREE
-from cp_magi.locality.cut_score import _cut_score, best_order
+from cp_magi.locality.cut_score import ORDER_NEAR, _cut_score, best_order
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.ring_order import ring_orders
 from cp_magi.locality.units import Part, Units
@@ -289,7 +288,7 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
         best = _cut_score(length, tokens, goals, other_w, other_r, cap, float("inf"))
         if best is None:
             continue
-        moved = _hand_over(length, tokens, goals, other_w, other_r, cap, best,
+        moved, now = _hand_over(length, tokens, goals, other_w, other_r, cap, best,
                            sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
                                   key=lambda v: (-sizes[v], v)), sizes, works)
         for v, j in moved:
@@ -298,8 +297,10 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
             rank_w[rs[0]] -= works[v]  # a whole unit receives nothing
             rank_w[rs[j]] += works[v]
         # Then the holders' depths, where another order lowers the busiest of them.
-        order = best_order(length, tokens, goals, other_w, other_r, cap,
-                           _cut_score(length, tokens, goals, other_w, other_r, cap, inf))
+        # (Only for units whose busiest holder is near the busiest rank so far: the others
+        # cannot lower it, and this is most of the time of the exchanges.)
+        order = best_order(length, tokens, goals, other_w, other_r, cap, now) \
+            if now >= ORDER_NEAR * max(rank_r) else None
         if order is not None:
             rs, tokens, goals, own_w, own_r = ([x[k] for k in order]
                                                for x in (rs, tokens, goals, own_w, own_r))
@@ -319,7 +320,7 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
 
 def _hand_over(length: int, tokens: list[int], goals: list[float], other_w: list[int],
                other_r: list[int], cap: float, best: float, movable: list[int],
-               sizes: list[int], works: list[int]) -> list[tuple[int, int]]:
+               sizes: list[int], works: list[int]) -> tuple[list[tuple[int, int]], float]:
     """The whole units of ``movable`` (the outer holder's, largest first) handed to the
     holder with most rows, each kept when :func:`_cut_score` is below the best so far, as
     ``(unit, holder index)``; ``tokens``, ``goals`` and ``other_w`` are left as the kept
@@ -349,7 +350,7 @@ def _hand_over(length: int, tokens: list[int], goals: list[float], other_w: list
         best = got
         moved.append((v, j))
         j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
-    return moved
+    return moved, best
 
 
 def _causal_work(held: Holding) -> int:
