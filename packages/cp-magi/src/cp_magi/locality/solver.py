@@ -276,6 +276,19 @@ class _Direct:
         return lean_fill(self.units, plan, self.mean, self.tolerance, sand)
 
 
+class _Floor:
+    """The floor no balanced placement beats (:func:`recv_floor`, at least ``least``),
+    computed on first use."""
+
+    def __init__(self, units: Units, cp: int, t: int, cap: float, least: int) -> None:
+        self._args, self.least = (units, cp, t, cap), least
+
+    @cached_property
+    def value(self) -> int:
+        """The floor."""
+        return max(self.least, recv_floor(*self._args))
+
+
 def _sweep(units: Units, cp: int, t: int, tolerance: float) -> list[Holding]:
     return sweep(units, cp, t, tolerance / 2)
 
@@ -318,17 +331,19 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
     # reaching it ends the search. Not the stairs' first bound: bounds under the floor still
     # shape the stairs differently (held-back rows, cp 4: 0.649 -> 0.671 of round_robin with
     # it as the first bound).
-    proven = max(least, recv_floor(units, cp, t, mean * (1 + tolerance)))
+    # Made when first asked for (a placement at or below the reference line never asks).
+    proven = _Floor(units, cp, t, mean * (1 + tolerance), least)
     # A balanced placement receiving at most this share of round_robin's busiest ends the
     # search too: the rest would cost host time for rows already well below the reference.
     rr = round_robin_recv(units, cp)
-    enough = max(proven, EARLY * rr if search else rr)
+    line = EARLY * rr if search else rr
     best = None
     for i, run in enumerate(tries + [partial(_fallback, units, cp, t)]):
         if best is not None and not best[0][0] and (run.func is _fallback
-                                                    or best[0][1] <= enough
+                                                    or best[0][1] <= line
                                                     or (effort == "quick"
-                                                        and i >= QUICK_TRIES)):
+                                                        and i >= QUICK_TRIES)
+                                                    or best[0][1] <= proven.value):
             break
         try:
             if run.func is direct and best is not None and not best[0][0]:
@@ -350,9 +365,10 @@ def solve(units: Units, cp: int, tolerance: float = 0.01, search: bool = SEARCH,
             best = (key, holdings, work, recv, method)
     assert best is not None
     beat = float("inf") if best[0][0] else best[0][1]
-    if best[0][0] or effort == "full" or (STAIRS_ABOVE * rr < best[0][1] > proven
+    if best[0][0] or effort == "full" or (STAIRS_ABOVE * rr < best[0][1]
                                           and least < STAIRS_ROOM * beat
-                                          and proven < STAIRS_FLOOR * beat):
+                                          and best[0][1] > proven.value
+                                          and proven.value < STAIRS_FLOOR * beat):
         got = stairs_search(units, cp, t, mean, tolerance, least, rr, beat,
                             partial(_measure, units))
         if got is not None:
