@@ -28,9 +28,6 @@ PASSES = 2
 #: helps (development rows: every exchange lowered cp 16 from 0.909 to 0.899 of round_robin's
 #: busiest rank; at cp 64 it cost 55 ms a row for 0.917 -> 0.917).
 EVERY_PAIR = 16
-#: Units whose busiest holder receives less than this share of the busiest rank are left in
-#: their order (host time: on the 128K host row at cp 8, ten of eleven cut units).
-NEAR = float(__import__("os").environ.get("RNEAR", "0.9"))
 
 
 def ring_receives(length: int, sizes: list[int]) -> list[int]:
@@ -66,8 +63,7 @@ def ring_orders(lengths: dict[int, int], own: dict[int, dict[int, int]], ranks: 
         changed = False
         for u in units:
             rings = cuts[u]
-            # A unit whose holders all receive well below the busiest rank cannot lower it.
-            if max(total[r] for r in rings.order) < NEAR * max(total):
+            if len(rings.order) < 2:
                 continue
             if len(rings.order) <= EVERY_PAIR:
                 changed |= rings.every_exchange(total)
