@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from cp_core.backend_api import FULL, SCHEDULE_BUILDER, RankRuns, SimulatedCPMesh
+from cp_core.backend_api import SCHEDULE_BUILDER, RankRuns, SimulatedCPMesh
 from cp_core.plan.crop import schedule_parts
-from cp_core.plan.pieces import Piece
 from cp_core.plan.rects import BandRects
 from cp_core.plan.schedule import plan_rects, schedule_for
+from cp_core.testing.reference_plan import schedule_pairs
 from cp_core.runtime.intercept import active_plan
 from cp_magi.locality.bins import FREE
 from cp_magi.locality.runs_holdings import runs_and_parts
@@ -164,24 +164,7 @@ def _plan(batch: dict, cp: int, rank: int, **options: object):
 
 def _pairs_of(plan) -> list[tuple[int, int]]:
     """Every (stream query, stream key) pair the plan's schedule computes, from its pieces."""
-    sched, runs = schedule_for(plan), plan.rank_runs
-    me = runs.local_indices(plan.cp_rank).tolist()
-    out: list[tuple[int, int]] = []
-
-    def add(p: Piece, keys: list[int]) -> None:
-        for qi in range(p.q0, p.q1):
-            for kj in range(p.k0, p.k1):
-                if p.kind == FULL or kj - p.k0 <= qi - p.q0:
-                    out.append((me[qi], keys[kj]))
-
-    for p in map(Piece._make, sched.local):
-        add(p, me)
-    for step in sched.steps:
-        owner = runs.local_indices(step.src).tolist()
-        add_keys = [owner[i] for a, b in step.recv_ranges for i in range(a, b)]
-        for p in map(Piece._make, step.pieces):
-            add(p, add_keys)
-    return out
+    return schedule_pairs(schedule_for(plan), plan.rank_runs, plan.cp_rank)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from cp_core.backend_api import FULL, SCHEDULE_BUILDER, RankRuns, SimulatedCPMesh
+from cp_core.backend_api import SCHEDULE_BUILDER, RankRuns, SimulatedCPMesh
 from cp_core.plan.crop import schedule_parts
-from cp_core.plan.pieces import Piece
 from cp_core.plan.schedule import plan_rects, schedule_for
+from cp_core.testing.reference_plan import schedule_pairs
 from cp_core.runtime.intercept import active_plan
 from cp_te.dual_chunk_schedule import DualChunkSchedule
 from cp_te.sharder import shard_batch_thd
@@ -83,24 +83,7 @@ def _generic(plan) -> tuple:
 
 def _pairs_of(sched, plan) -> list[tuple[int, int]]:
     """Every (global query, global key) pair the schedule computes, from its pieces."""
-    runs = plan.rank_runs
-    me = runs.local_indices(plan.cp_rank).tolist()
-    out = []
-
-    def add(p: Piece, key_global: list[int]) -> None:
-        for qi in range(p.q0, p.q1):
-            for kj in range(p.k0, p.k1):
-                if p.kind == FULL or kj - p.k0 <= qi - p.q0:
-                    out.append((me[qi], key_global[kj]))
-
-    for p in map(Piece._make, sched.local):
-        add(p, me)
-    for step in sched.steps:
-        owner = runs.local_indices(step.src).tolist()
-        buffer = [owner[i] for a, b in step.recv_ranges for i in range(a, b)]
-        for p in map(Piece._make, step.pieces):
-            add(p, buffer)
-    return out
+    return schedule_pairs(sched, plan.rank_runs, plan.cp_rank)
 
 
 def _truth_pairs(local: dict, rank_queries: list[int]) -> set[tuple[int, int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_core.placement.runs import Run, index_runs
+from cp_core.placement.runs import RankRuns, Run, index_runs
 from cp_core.plan.rects import INF, BandRects
 from cp_core.plan.schedule import P2PSchedule, RingStep
 from cp_core.plan.pieces import (Piece, _pieces, _tighten, merge_full_pieces,
@@ -141,4 +141,31 @@ def build_schedule(rects: BandRects, runs: list[list[Run]], rank: int) -> P2PSch
     return P2PSchedule(rank, size, merge_full_pieces(mine.by_src.get(rank, [])), steps)
 
 
-__all__ = ["RankSlices", "merge_ranges", "build_rank_slices", "rank_runs", "build_schedule"]
+def schedule_pairs(sched: P2PSchedule, runs: RankRuns, rank: int) -> list[tuple[int, int]]:
+    """Every (global query, global key) pair ``rank``'s schedule computes, read piece by piece
+    (FULL pieces every pair, causal squares their lower triangle), with each receive buffer
+    laid out from the sender's runs and the step's ranges. A pair listed twice is computed
+    twice: a test compares this list with the mask's allowed pairs."""
+    from cp_core.plan.pieces import FULL
+
+    me = runs.local_indices(rank).tolist()
+    out: list[tuple[int, int]] = []
+
+    def add(p: Piece, keys: list[int]) -> None:
+        for qi in range(p.q0, p.q1):
+            for kj in range(p.k0, p.k1):
+                if p.kind == FULL or kj - p.k0 <= qi - p.q0:
+                    out.append((me[qi], keys[kj]))
+
+    for p in map(Piece._make, sched.local):
+        add(p, me)
+    for step in sched.steps:
+        owner = runs.local_indices(step.src).tolist()
+        buffer = [owner[i] for a, b in step.recv_ranges for i in range(a, b)]
+        for p in map(Piece._make, step.pieces):
+            add(p, buffer)
+    return out
+
+
+__all__ = ["RankSlices", "merge_ranges", "build_rank_slices", "rank_runs", "build_schedule",
+           "schedule_pairs"]

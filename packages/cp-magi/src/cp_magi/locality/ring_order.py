@@ -34,9 +34,13 @@ def ring_receives(length: int, sizes: list[int]) -> list[int]:
     """Rows each holder receives when a causal unit of ``length`` rows is cut into nested
     rings of ``sizes`` rows, outermost first (a ring holds ``(n + 1) // 2`` head rows and
     ``n // 2`` tail rows; the innermost holds what is left between)."""
+    return _receives(0, length, sizes, len(sizes) - 1)
+
+
+def _receives(front: int, back: int, sizes: list[int], last: int) -> list[int]:
+    """:func:`ring_receives` of the rings from the one starting at head row ``front`` and
+    ending before row ``back`` on, ``last`` the index (in ``sizes``) of the innermost."""
     out: list[int] = []
-    front, back = 0, length
-    last = len(sizes) - 1
     for i, n in enumerate(sizes):
         if i == last:  # rows [front, back): it receives the rows before them
             out.append(front)
@@ -103,20 +107,10 @@ class _Rings:
         """Received rows of depths ``i..j`` (``i < j``) once their holders are exchanged:
         the depths before ``i`` keep their cut, the ones after ``j`` their front and back."""
         order, held = self.order, self.held
-        last = len(order) - 1
         fronts, backs = self._fronts_backs()
-        front, back = fronts[i], backs[i]
-        out = []
-        for k in range(i, j + 1):
-            r = order[j] if k == i else order[i] if k == j else order[k]
-            n = held[r]
-            if k == last:
-                out.append(front)
-                break
-            heads, tails = (n + 1) // 2, n // 2
-            out.append((back if tails else front + heads) - n)
-            front, back = front + heads, back - tails
-        return out
+        sizes = [held[order[j] if k == i else order[i] if k == j else order[k]]
+                 for k in range(i, j + 1)]
+        return _receives(fronts[i], backs[i], sizes, len(order) - 1 - i)
 
     def _try(self, i: int, j: int, total: list[int]) -> tuple[list[int], list[int]] | None:
         """The exchange of depths ``i < j`` when it lowers the received rows of the unit's

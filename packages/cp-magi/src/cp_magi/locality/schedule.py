@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from cp_core.backend_api import CAUSAL, FULL, INF
+from cp_magi.locality.sweep import _merged as _joined  # sorted, touching ranges joined
 
 #: One piece in :class:`cp_core.plan.pieces.Piece` field order.
 PieceTuple = tuple[int, int, int, int, int, int, int, int, int]
@@ -132,17 +133,6 @@ class LocalitySchedule:
             steps.append((src, ranges, by_src.get(src, []) if ranges else [], dst,
                           send.get(dst, [])))
         return local, steps
-
-
-def _joined(ranges: Ranges) -> Ranges:
-    """Disjoint ``[a, b)`` ranges sorted, touching ones joined."""
-    out: Ranges = []
-    for a, e in sorted(ranges):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((a, e))
-    return out
 
 
 def _to_buffer(pieces: list[PieceTuple], needed: Ranges) -> list[PieceTuple]:
