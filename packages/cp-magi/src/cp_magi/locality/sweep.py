@@ -289,8 +289,8 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
         if best is None:
             continue
         moved, now = _hand_over(length, tokens, goals, other_w, other_r, cap, best,
-                           sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
-                                  key=lambda v: (-sizes[v], v)), sizes, works)
+                                sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
+                                       key=lambda v: (-sizes[v], v)), sizes, works)
         for v, j in moved:
             out[rs[j]][v] = out[rs[0]].pop(v)
             whole[v] = rs[j]
