@@ -53,9 +53,9 @@ EXPECTED_BACKEND_API = {
     "finish_shard", "shard_plan",
     # picklable shards (cp_core.loader)
     "PaddedDocumentIds",
-    # a layout's closed-form p2p schedule (cp-te's dual-chunk builder) and the piece kinds
-    # it writes
-    "SCHEDULE_BUILDER", "FULL", "CAUSAL",
+    # a layout's closed-form p2p schedule (cp-te's dual-chunk builder, cp-magi's locality
+    # builder), the piece kinds it writes and the ring steps it returns
+    "SCHEDULE_BUILDER", "FULL", "CAUSAL", "ring_steps",
 }
 
 

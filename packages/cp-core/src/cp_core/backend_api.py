@@ -36,6 +36,7 @@ from typing import Any
 
 from cp_core.runtime.intercept import activate_plan
 from cp_core.runtime.kernels.blocked import DEFAULT_BLOCK_BUDGET_BYTES, blocked_attention
+from cp_core.plan.crop import ring_steps
 from cp_core.plan.schedule import SCHEDULE_BUILDER, fused_schedule
 from cp_core.runtime.p2p_ring import fused_attention
 from cp_core.plan.record import (
@@ -146,7 +147,7 @@ __all__ = [
     # transport building blocks
     "allgather_sdpa", "call_transport", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",
-    "segment_rects", "SCHEDULE_BUILDER", "FULL", "CAUSAL",
+    "segment_rects", "SCHEDULE_BUILDER", "FULL", "CAUSAL", "ring_steps",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
     "peer_failures",
     # errors

@@ -365,7 +365,7 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
         boxes, sent = few
         recv = merged_triples((box[3], box[4], box[5]) for box in boxes)
         local, by_src = _pieces_of_boxes(boxes, rank, recv)
-        return local, _steps(rank, size, recv, by_src, merged_triples(sent))
+        return local, ring_steps(rank, size, recv, by_src, merged_triples(sent))
     mine, theirs = _both_passes(rects, runs, rank)
     if mine.b.size <= _FEW_BOXES:
         recv = merged_ranges_few(mine.k_owner, mine.k0, mine.k1)
@@ -376,13 +376,17 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
         local, by_src = _many_pieces(mine, rank, r_owner, r_start, r_end)
     send = merged_ranges_few(*theirs) if theirs[0].size <= _FEW_BOXES else \
         merged_ranges(*theirs)
-    return local, _steps(rank, size, recv, by_src, send)
+    return local, ring_steps(rank, size, recv, by_src, send)
 
 
-def _steps(rank: int, size: int, recv: dict[int, list[tuple[int, int]]],
-           by_src: dict[int, list[Piece]], send: dict[int, list[tuple[int, int]]]
-           ) -> list[tuple[int, list[tuple[int, int]], list[Piece], int, list[tuple[int, int]]]]:
-    """Per ring step ``i``: ``(src, recv ranges, pieces, dst, send ranges)``."""
+def ring_steps(rank: int, size: int, recv: dict[int, list[tuple[int, int]]],
+               by_src: dict[int, list[Piece]], send: dict[int, list[tuple[int, int]]]
+               ) -> list[tuple[int, list[tuple[int, int]], list[Piece], int,
+                               list[tuple[int, int]]]]:
+    """Per ring step ``i``: ``(src, recv ranges, pieces, dst, send ranges)`` from the ranges
+    this rank receives from each source (``recv``), its pieces per source in buffer
+    coordinates (``by_src``) and the ranges it sends to each peer (``send``): the steps part
+    of :func:`schedule_parts`, which a layout's closed-form builder returns too."""
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
@@ -394,4 +398,4 @@ def _steps(rank: int, size: int, recv: dict[int, list[tuple[int, int]]],
 
 __all__ = ["Boxes", "crop", "local_pieces", "merged_arrays", "merged_ranges",
            "merged_ranges_few", "merged_triples", "ranges_by_owner", "piece_rows",
-           "pieces_by_src", "merge_full_rows", "buffer_rows", "schedule_parts"]
+           "pieces_by_src", "merge_full_rows", "buffer_rows", "schedule_parts", "ring_steps"]

@@ -23,12 +23,13 @@ pad holes, rectangles of another stream) gets None, and the generic builder runs
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cp_core.backend_api import CAUSAL, FULL, INF
+from cp_core.backend_api import CAUSAL, FULL, INF, ring_steps
 from cp_magi.locality.sweep import _merged as _joined  # sorted, touching ranges joined
 
 #: One piece in :class:`cp_core.plan.pieces.Piece` field order.
@@ -73,24 +74,23 @@ class LocalitySchedule:
         if not self._matches(rows):
             return None
         b = int(rows[0, 0]) if rows.shape[0] else -1
-        size = len(self.parts)
-        # Every holder of every unit this rank holds, and the highest start of a part per
-        # (rank, unit): a part of another rank is seen by ours when it ends at or below it.
+        # Every holder of every unit this rank holds, and each holder's highest part start
+        # in it: a part is seen by a peer's queries when it ends at or below that start.
         mine = self.parts[rank]
         shared = {u for u, _, _, _ in mine}
         holders: dict[int, list[tuple[int, int, int, int]]] = {}
+        top: dict[tuple[int, int], int] = {}
         for s, held in enumerate(self.parts):
             for u, a, e, loc in held:
                 if u in shared:
                     holders.setdefault(u, []).append((s, a, e, loc))
-        my_top: dict[int, int] = {}
-        for u, a, _, _ in mine:
-            if a > my_top.get(u, -1):
-                my_top[u] = a
+                    if a > top.get((s, u), -1):
+                        top[(s, u)] = a
 
         causal: list[PieceTuple] = []
         full: dict[int, list[PieceTuple]] = {}
         recv: dict[int, Ranges] = {}
+        send: dict[int, Ranges] = {}
         for u, a, e, loc in mine:
             n = e - a
             if n > 1:
@@ -102,60 +102,36 @@ class LocalitySchedule:
                 if d <= a:
                     full.setdefault(s, []).append((b, loc, loc + n, s, kloc, kloc + d - c,
                                                    FULL, -INF, INF))
-        for u, top in my_top.items():
-            for s, c, d, kloc in holders[u]:
-                if s != rank and d <= top:
+        for u in shared:
+            hs = holders[u]
+            if len(hs) < 2:  # one part, ours: nothing moves for it
+                continue
+            peers = {s for s, _, _, _ in hs if s != rank}
+            for s, c, d, kloc in hs:
+                if s == rank:  # ours, read by every peer whose top part starts at or above d
+                    for p in peers:
+                        if d <= top[(p, u)]:
+                            send.setdefault(p, []).append((kloc, kloc + d - c))
+                elif d <= top[(rank, u)]:  # theirs, read by ours
                     recv.setdefault(s, []).append((kloc, kloc + d - c))
         recv = {s: _joined(r) for s, r in recv.items()}
+        send = {s: _joined(r) for s, r in send.items()}
         local = causal + _merge_full(full.pop(rank, []))
         by_src = {s: _merge_full(_to_buffer(ps, recv[s])) for s, ps in full.items()}
-
-        # What each peer's parts reach of ours: ours that end at or below its top part.
-        send: dict[int, Ranges] = {}
-        for u in shared:
-            tops: dict[int, int] = {}
-            for s, c, _, _ in holders[u]:
-                if s != rank and c > tops.get(s, -1):
-                    tops[s] = c
-            if not tops:
-                continue
-            for s2, c, d, kloc in holders[u]:
-                if s2 == rank:
-                    for s, top in tops.items():
-                        if d <= top:
-                            send.setdefault(s, []).append((kloc, kloc + d - c))
-        send = {s: _joined(r) for s, r in send.items()}
-
-        steps = []
-        for i in range(1, size):
-            src, dst = (rank - i) % size, (rank + i) % size
-            ranges = recv.get(src, [])
-            steps.append((src, ranges, by_src.get(src, []) if ranges else [], dst,
-                          send.get(dst, [])))
-        return local, steps
+        return local, ring_steps(rank, len(self.parts), recv, by_src, send)
 
 
 def _to_buffer(pieces: list[PieceTuple], needed: Ranges) -> list[PieceTuple]:
     """Pieces re-addressed to a receive buffer holding ``needed`` back to back (each piece's
     keys lie inside one needed range)."""
-    where: dict[int, int] = {}
-    pos = 0
-    for a, e in needed:
-        where[a] = pos - a
-        pos += e - a
     starts = [a for a, _ in needed]
+    shifts, pos = [], 0
+    for a, e in needed:
+        shifts.append(pos - a)
+        pos += e - a
     out = []
     for p in pieces:
-        shift = where.get(p[4])
-        if shift is None:  # keys inside a joined range: find the range that holds them
-            lo, hi = 0, len(starts)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if starts[mid] <= p[4]:
-                    lo = mid
-                else:
-                    hi = mid
-            shift = where[starts[lo]]
+        shift = shifts[bisect_right(starts, p[4]) - 1]
         out.append((p[0], p[1], p[2], p[3], p[4] + shift, p[5] + shift, p[6], p[7], p[8]))
     return out
 
