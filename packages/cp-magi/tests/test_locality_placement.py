@@ -293,7 +293,7 @@ def _random_holdings(rng, units, cp: int) -> list[dict]:
 def test_solver_counts_and_runs_equal_the_straightforward_forms(kind: str) -> None:
     from cp_core.backend_api import RankRuns
     from cp_magi.locality.bins import FREE
-    from cp_magi.locality.runs_holdings import _runs
+    from cp_magi.locality.runs_holdings import runs_and_parts
     from cp_magi.locality.solver import _recv, _work
     from cp_magi.locality.units import build_units
 
@@ -322,7 +322,7 @@ def test_solver_counts_and_runs_equal_the_straightforward_forms(kind: str) -> No
                           for u, parts in held.items() for a, b in parts)
             want_s.append(np.asarray([s for s, _ in runs], np.int64))
             want_n.append(np.asarray([n for _, n in runs], np.int64))
-        want, got = RankRuns.build(want_s, want_n), _runs(holdings, units)
+        want, got = RankRuns.build(want_s, want_n), runs_and_parts(holdings, units)[0]
         assert got.describe() == want.describe()
         for a, b in zip(got.starts + got.lengths, want.starts + want.lengths):
             assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()

@@ -103,39 +103,36 @@ class _Rings:
             self._bounds = (fronts, backs)
         return self._bounds
 
-    def _exchanged(self, i: int, j: int) -> list[int]:
-        """Received rows of depths ``i..j`` (``i < j``) once their holders are exchanged:
-        the depths before ``i`` keep their cut, the ones after ``j`` their front and back."""
-        order, held = self.order, self.held
+    def _span(self, i: int, j: int) -> list[tuple[int, int]]:
+        """Depths ``i..j`` (``i < j``) once their holders are exchanged, as ``(holder, its
+        depth before)``."""
+        order = self.order
+        return ([(order[j], j)] + [(order[k], k) for k in range(i + 1, j)]
+                + [(order[i], i)])
+
+    def _exchanged(self, i: int, span: list[tuple[int, int]]) -> list[int]:
+        """Received rows of the depths of ``span`` (from depth ``i``): the depths before
+        ``i`` keep their cut, the ones after the span their front and back."""
         fronts, backs = self._fronts_backs()
-        sizes = [held[order[j] if k == i else order[i] if k == j else order[k]]
-                 for k in range(i, j + 1)]
-        return _receives(fronts[i], backs[i], sizes, len(order) - 1 - i)
+        return _receives(fronts[i], backs[i], [self.held[r] for r, _ in span],
+                         len(self.order) - 1 - i)
 
     def _try(self, i: int, j: int, total: list[int]) -> tuple[list[int], list[int]] | None:
         """The exchange of depths ``i < j`` when it lowers the received rows of the unit's
         holders, sorted from the most (only depths ``i..j`` change, and two sorted lists
         differing in those entries compare as those entries do), as ``(sorted after, new
         received rows of depths i..j)``; else None."""
-        order, recv = self.order, self.recv
-        new = self._exchanged(i, j)
-        before, after = [], []
-        for k in range(i, j + 1):
-            r = order[j] if k == i else order[i] if k == j else order[k]
-            old_k = i if k == j else j if k == i else k  # where r was before
-            before.append(total[r])
-            after.append(total[r] - recv[old_k] + new[k - i])
-        before.sort(reverse=True)
-        after.sort(reverse=True)
+        span = self._span(i, j)
+        new = self._exchanged(i, span)
+        before = sorted((total[r] for r, _ in span), reverse=True)
+        after = sorted((total[r] - self.recv[old] + got for (r, old), got in zip(span, new)),
+                       reverse=True)
         return (after, new) if after < before else None
 
     def _apply(self, i: int, j: int, new: list[int], total: list[int]) -> None:
-        order = self.order
-        for k in range(i, j + 1):
-            r = order[j] if k == i else order[i] if k == j else order[k]
-            old_k = i if k == j else j if k == i else k
-            total[r] += new[k - i] - self.recv[old_k]
-        order[i], order[j] = order[j], order[i]
+        for (r, old), got in zip(self._span(i, j), new):
+            total[r] += got - self.recv[old]
+        self.order[i], self.order[j] = self.order[j], self.order[i]
         self._count()
 
     def every_exchange(self, total: list[int]) -> bool:
@@ -157,6 +154,7 @@ class _Rings:
         for _ in range(len(self.order)):
             order = self.order
             b = max(range(len(order)), key=lambda k: (total[order[k]], -k))
+            whole = sorted((total[r] for r in order), reverse=True)
             best = None
             for k in range(len(order)):
                 if k != b:
@@ -164,7 +162,6 @@ class _Rings:
                     got = self._try(i, j, total)
                     # Compared over the unit's holders: the unchanged ones are the same.
                     if got is not None:
-                        whole = sorted((total[r] for r in order), reverse=True)
                         key = _merged_after(whole, order, i, j, total, got[0])
                         if best is None or key < best[0]:
                             best = (key, i, j, got[1])

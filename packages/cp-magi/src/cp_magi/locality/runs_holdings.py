@@ -34,10 +34,6 @@ def holdings_of_runs(units: Units, runs: RankRuns) -> list[Holding]:
     return out
 
 
-def _runs(holdings: list[Holding], units: Units) -> RankRuns:
-    return runs_and_parts(holdings, units)[0]
-
-
 def runs_and_parts(holdings: list[Holding], units: Units
                    ) -> tuple[RankRuns, tuple[tuple[UnitPart, ...], ...]]:
     """Every rank's stream runs, and its unit parts ``(unit, a, b, local row)`` in storage
@@ -74,4 +70,4 @@ def runs_and_parts(holdings: list[Holding], units: Units
     return RankRuns(tuple(out_s), tuple(out_n)), tuple(out_p)
 
 
-__all__ = ["holdings_of_runs", "runs_and_parts", "_runs"]
+__all__ = ["holdings_of_runs", "runs_and_parts"]

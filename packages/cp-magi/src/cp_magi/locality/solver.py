@@ -173,9 +173,9 @@ def split_sand(units: Units, fraction: float, anchors: np.ndarray
 
 
 def _work(units: Units, held: Holding) -> int:
-    sizes = units.sizes  # plain ints: numpy scalar indexing per part was most of this sum
     if units.model.graded:  # the causal count inline (model.work of the graded kinds)
         return _causal_work(held)
+    sizes = units.sizes  # plain ints: numpy scalar indexing per part was most of this sum
     work = units.model.work
     return sum(work(sizes[u], a, b) for u, parts in held.items() if u != FREE for a, b in parts)
 
