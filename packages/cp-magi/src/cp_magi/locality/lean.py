@@ -259,7 +259,7 @@ def round_robin_recv(units: Units, cp: int) -> int:
         return 0
     # Plain lists and bisect: numpy's per-call cost is most of this loop's time.
     starts: list[int] = units.starts.tolist()
-    sizes: list[int] = units.lengths.tolist()
+    sizes: list[int] = units.sizes
     ends = [s + n for s, n in zip(starts, sizes)]
     recv = units.model.recv
     best = 0

@@ -254,7 +254,7 @@ def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holdi
     if not model.graded:
         return [dict(h) for h in holdings]
     # Plain ints (numpy scalar indexing per unit is most of recv_of's and work_of's cost).
-    sizes: list[int] = units.lengths.tolist()
+    sizes: list[int] = units.sizes
     works: list[int] = units.work.tolist()
     holders: dict[int, list[int]] = {}
     for r, held in enumerate(holdings):
