@@ -29,11 +29,11 @@ _dm.init_device_mesh = _watch_mesh
 #: After it: how many are still alive once the script's own teardown is done, and how many
 #: gloo worker threads still run (any process group's, the default group's included).
 REPORT = """
-import os as _os
+from cp_core.comm.world_defaults import gloo_worker_threads as _gloo_workers
 print(f"groups alive {sum(r() is not None for r in _groups)} of {len(_groups)}", flush=True)
-if _os.path.isdir("/proc/self/task"):  # thread names: Linux only
-    _names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in _os.listdir("/proc/self/task")]
-    print(f"gloo workers {_names.count('pt_gloo_runloop')}", flush=True)
+_workers = _gloo_workers()
+if _workers is not None:  # thread names: Linux only
+    print(f"gloo workers {_workers}", flush=True)
 """
 
 

@@ -60,4 +60,20 @@ def pinned_groups() -> int:
                for d in (getattr(f, "__defaults__", None) or ()))
 
 
-__all__ = ["bind_world_defaults_early", "pinned_groups"]
+def gloo_worker_threads() -> int | None:
+    """How many gloo worker threads (``pt_gloo_runloop``) this process runs now: a process
+    group not yet freed runs some. None where thread names cannot be read (only Linux's
+    ``/proc/self/task`` is)."""
+    import os
+
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    names = []
+    for t in os.listdir(tasks):
+        with open(f"{tasks}/{t}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("pt_gloo_runloop")
+
+
+__all__ = ["bind_world_defaults_early", "pinned_groups", "gloo_worker_threads"]
