@@ -149,6 +149,7 @@ def merged_triples(triples: Any) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
+Ranges = list[tuple[int, int]]  # ``[start, end)`` key ranges, ascending
 #: Columns of a piece row: the fields of :class:`~cp_core.plan.pieces.Piece` in order.
 _B, _Q0, _Q1, _SRC, _K0, _K1, _KIND, _DLO, _DHI = range(9)
 
@@ -379,14 +380,11 @@ def schedule_parts(rects: BandRects, runs: RankRuns, rank: int
     return local, ring_steps(rank, size, recv, by_src, send)
 
 
-def ring_steps(rank: int, size: int, recv: dict[int, list[tuple[int, int]]],
-               by_src: dict[int, list[Piece]], send: dict[int, list[tuple[int, int]]]
-               ) -> list[tuple[int, list[tuple[int, int]], list[Piece], int,
-                               list[tuple[int, int]]]]:
+def ring_steps(rank: int, size: int, recv: dict[int, Ranges], by_src: dict[int, list[Piece]],
+               send: dict[int, Ranges]) -> list[tuple[int, Ranges, list[Piece], int, Ranges]]:
     """Per ring step ``i``: ``(src, recv ranges, pieces, dst, send ranges)`` from the ranges
-    this rank receives from each source (``recv``), its pieces per source in buffer
-    coordinates (``by_src``) and the ranges it sends to each peer (``send``): the steps part
-    of :func:`schedule_parts`, which a layout's closed-form builder returns too."""
+    received per source, the pieces per source in buffer coordinates and the ranges sent per
+    peer: the steps of :func:`schedule_parts`, which a closed-form builder returns too."""
     steps = []
     for i in range(1, size):
         src, dst = (rank - i) % size, (rank + i) % size
