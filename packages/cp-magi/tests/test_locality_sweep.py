@@ -92,7 +92,7 @@ def test_sweep_equal_shares_balanced_few_cuts(kind: str, cp: int) -> None:
 def test_cut_score_is_reshape_then_count() -> None:
     # The hand-over's fused score against reshape followed by the kind model's counts.
     from cp_magi.locality.expand import reshape
-    from cp_magi.locality.sweep import _cut_score
+    from cp_magi.locality.cut_score import _cut_score
     from cp_magi.locality.units import kind_model
 
     model = kind_model("causal", None)
@@ -127,7 +127,7 @@ def test_cut_score_is_reshape_then_count() -> None:
 
 def test_causal_counts_are_the_models() -> None:
     # outer_heavy's inline counts against the kind model's, on random holdings.
-    from cp_magi.locality.sweep import _causal_recv, _causal_work
+    from cp_magi.locality.counts import _causal_recv, _causal_work
 
     model = kind_model("causal", None)
     rng = np.random.default_rng(13)
@@ -147,11 +147,13 @@ def test_causal_counts_are_the_models() -> None:
 
 
 def _outer_heavy_copying(units, holdings, cap):
-    """outer_heavy as first written: the lists copied per tried hand-over, the shapes built
-    per kept one, the counts by the kind model; a unit's holders taken front to back in the
-    rings' order (the highest top row first), then reordered by exchanges."""
+    """outer_heavy's first pass without the front alternative, as first written: the lists
+    copied per tried hand-over, the shapes built per kept one, the counts by the kind model;
+    a unit's holders taken front to back in the rings' order (the highest top row first),
+    then reordered by exchanges; the hand-overs end after 16 refused moves in a row."""
     from cp_magi.locality.expand import reshape
-    from cp_magi.locality.sweep import _cut_score, _merged
+    from cp_magi.locality.counts import _merged
+    from cp_magi.locality.cut_score import _cut_score
 
     model = units.model
     work, recv = model.work, model.recv
@@ -191,7 +193,10 @@ def _outer_heavy_copying(units, holdings, cap):
         movable = sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
                          key=lambda v: (-sizes[v], v))
         j = max(range(1, len(rs)), key=lambda i: (tokens[i], -i))
+        refused = 0
         for v in movable:
+            if refused == 16:  # a run of refused moves ends the hand-overs
+                break
             n, w = sizes[v], works[v]
             if tokens[j] <= n:
                 continue
@@ -201,7 +206,9 @@ def _outer_heavy_copying(units, holdings, cap):
             ow[0] -= w; ow[j] += w
             got = score(tok, gl, ow, other_r, best)
             if got is None:
+                refused += 1
                 continue
+            refused = 0
             best, shapes = got
             tokens, goals, other_w = tok, gl, ow
             moved.append((v, j))
@@ -241,13 +248,15 @@ def _outer_heavy_copying(units, holdings, cap):
 
 @pytest.mark.parametrize("cp", [4, 8])
 def test_outer_heavy_equals_the_copying_form(monkeypatch, cp: int) -> None:
+    # The sweep's inputs to its last step, cut again by outer_heavy's first pass alone (no
+    # front alternative, no more passes: its defaults) and by the copying form.
     from cp_magi.locality import sweep as sweep_mod
 
     model = kind_model("causal", None)
     seen: list[tuple] = []
     real = sweep_mod.outer_heavy
     monkeypatch.setattr(sweep_mod, "outer_heavy",
-                        lambda *args: (seen.append(args), real(*args))[1])
+                        lambda *args, **kw: (seen.append(args), real(*args, **kw))[1])
     for seed in (0, 1, 2, 3, 4, 5, 4321):
         lengths = packed_rows(1, 131072, seed, cap_fraction=0.25)[0]
         padded = -(-sum(lengths) // cp) * cp

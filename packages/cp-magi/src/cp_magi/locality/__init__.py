@@ -6,7 +6,10 @@ and tokens per rank stay balanced: :mod:`~cp_magi.locality.units` (units and the
 attention kind), :mod:`~cp_magi.locality.slicing` and :mod:`~cp_magi.locality.anchors` (the
 long units), :mod:`~cp_magi.locality.pack`, :mod:`~cp_magi.locality.stones`,
 :mod:`~cp_magi.locality.bins` and :mod:`~cp_magi.locality.expand` (filling the ranks),
-:mod:`~cp_magi.locality.lean` (the direct construction, tried first),
+:mod:`~cp_magi.locality.sweep` (the two-ended sweep, tried first), with
+:mod:`~cp_magi.locality.ring_order`, :mod:`~cp_magi.locality.heavy`,
+:mod:`~cp_magi.locality.front` and :mod:`~cp_magi.locality.cut_score` (its cut units cut
+again), :mod:`~cp_magi.locality.lean` (the direct construction),
 :mod:`~cp_magi.locality.stairs` (long units over consecutive ranks under a bound on received
 rows, where the first constructions leave the busiest rank above 0.8x round_robin's),
 :mod:`~cp_magi.locality.solver` (the search), :mod:`~cp_magi.locality.sharder` and

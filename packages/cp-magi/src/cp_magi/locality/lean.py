@@ -37,7 +37,7 @@ from cp_magi.locality.bins import FREE, Bins, level, pour, work_of
 from cp_magi.locality.expand import reshape
 from cp_magi.locality.slicing import Slice
 from cp_magi.locality.stones import place_stones
-from cp_magi.locality.sweep import _causal_recv
+from cp_magi.locality.counts import _causal_recv
 from cp_magi.locality.units import Part, Units, others
 
 Holding = dict[int, list[Part]]
@@ -135,12 +135,16 @@ class LeanPlan:
         fill: the units left to the fill.
         cap: ``[cp]`` tokens of fill per rank.
         need: ``[cp]`` work of fill per rank.
+        partial: the slicing stopped at a unit whose last row's holder alone receives the
+            ``stop_at`` of :func:`lean_plan`: ``groups`` ends there, the rest is empty, and
+            only :meth:`floor` may be asked of it.
     """
 
     groups: list[tuple[int, list[Slice]]]
     fill: np.ndarray
     cap: np.ndarray
     need: np.ndarray
+    partial: bool = False
 
     def floor(self, units: Units) -> int:
         """Key rows the busiest rank of the finished placement receives at least: the
@@ -151,10 +155,13 @@ class LeanPlan:
                     for u, sl in self.groups if len(sl) > 1), default=0)
 
 
-def lean_plan(units: Units, cp: int, t: int, mean: float, tolerance: float
-              ) -> LeanPlan | None:
+def lean_plan(units: Units, cp: int, t: int, mean: float, tolerance: float,
+              stop_at: float = float("inf")) -> LeanPlan | None:
     """Step 1 of the direct construction (module docstring), or None where it does not
-    apply."""
+    apply. Slicing stops, and a partial plan comes back (:attr:`LeanPlan.partial`), at the
+    first unit whose last row's holder receives ``stop_at`` rows or more: the finished
+    placement could only receive as many (the solver asks no more of it then, and the
+    slicing is most of the plan's time: 0.23 of 0.39 ms on the 128K host row)."""
     model = units.model
     if not model.graded:
         return None
@@ -185,6 +192,9 @@ def lean_plan(units: Units, cp: int, t: int, mean: float, tolerance: float
                            mean, cap)
         if got is not None:
             groups.append((u, got))
+            if len(got) > 1 and int(units.lengths[u]) - max(x.tokens for x in got) >= stop_at:
+                empty = np.zeros(0, np.int64)
+                return LeanPlan(groups, empty, empty, empty.astype(np.float64), partial=True)
     # A unit its ranks cannot hold (its fill would have to be denser than any fill) goes
     # to the fill: the chain cuts it where the ranks need, beside denser slices.
     long_ = np.asarray([u for u, _ in groups], np.int64)
@@ -205,6 +215,8 @@ def lean_fill(units: Units, plan: LeanPlan, mean: float, tolerance: float,
               sand: float = SAND) -> list[Holding]:
     """Steps 2 and 3 of the direct construction (module docstring): every rank's holdings,
     the shortest ``sand`` of the fill's tokens kept back as sand."""
+    if plan.partial:
+        raise ValueError("a partial plan (lean_plan's stop_at) has no fill")
     held = _fill(units, plan.fill, plan.cap, plan.need, tolerance * mean / 4, sand)
     out = _assemble(units, plan.groups, held, mean)
     if _balanced(units, out, mean, tolerance):

@@ -14,7 +14,7 @@ round_robin's busiest received 12,959).
 So, units longest first, every exchange of two holders' depths is tried and kept when the
 received rows of that unit's holders, sorted from the most, come out lower (compared as
 tuples), for :data:`PASSES` passes over the units. Received rows here are the rings' (the
-sweep's next step, :func:`cp_magi.locality.sweep.outer_heavy`, cuts the units again in this
+sweep's next step, :func:`cp_magi.locality.heavy.outer_heavy`, cuts the units again in this
 order and keeps a change only where it lowers them).
 """
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from cp_core.backend_api import CAUSAL, FULL, INF, ring_steps
-from cp_magi.locality.sweep import _merged as _joined  # sorted, touching ranges joined
+from cp_magi.locality.counts import _merged as _joined  # sorted, touching ranges joined
 
 #: One piece in :class:`cp_core.plan.pieces.Piece` field order.
 PieceTuple = tuple[int, int, int, int, int, int, int, int, int]

@@ -69,7 +69,8 @@ from cp_magi.locality.runs_holdings import holdings_of_runs, runs_and_parts
 from cp_magi.locality.schedule import LocalitySchedule
 from cp_magi.locality.stairs import search as stairs_search
 from cp_magi.locality.stones import place_stones
-from cp_magi.locality.sweep import _causal_recv, _causal_work, sweep
+from cp_magi.locality.counts import _causal_recv, _causal_work
+from cp_magi.locality.sweep import sweep
 from cp_magi.locality.units import Part, Units, others
 
 #: Anchor groups: (share of the tolerance the slices may use, sand fraction).
@@ -258,17 +259,27 @@ class _Direct:
 
     def __init__(self, units: Units, cp: int, t: int, mean: float, tolerance: float) -> None:
         self.units, self.cp, self.t, self.mean, self.tolerance = units, cp, t, mean, tolerance
+        self._plan: LeanPlan | None = None
+        self._made = False
 
-    @cached_property
-    def plan(self) -> LeanPlan | None:
-        """The plan (None where the construction does not apply), made on first use."""
-        return lean_plan(self.units, self.cp, self.t, self.mean, self.tolerance)
+    def plan_for(self, beat: float = float("inf")) -> LeanPlan | None:
+        """The plan (None where the construction does not apply), made on first use; its
+        slicing stops where it already cannot receive less than :data:`LEAN_ROOM` of
+        ``beat`` (made again, further, for a later ``beat`` that such a plan does not
+        settle; in the solver the best so far only falls, so it is made once)."""
+        plan = self._plan
+        if not self._made or (plan is not None and plan.partial
+                              and plan.floor(self.units) < LEAN_ROOM * beat):
+            plan = self._plan = lean_plan(self.units, self.cp, self.t, self.mean,
+                                          self.tolerance, LEAN_ROOM * beat)
+            self._made = True
+        return plan
 
     def __call__(self, sand: float, beat: float = float("inf")) -> list[Holding] | None:
         """The placement with ``sand`` of the fill kept back as sand, or None when the
         sliced long units alone show that it cannot receive less than :data:`LEAN_ROOM` of
         ``beat`` (the best balanced placement so far)."""
-        plan = self.plan
+        plan = self.plan_for(beat)
         if plan is None:
             raise ValueError("the direct construction does not apply")
         if plan.floor(self.units) >= LEAN_ROOM * beat:

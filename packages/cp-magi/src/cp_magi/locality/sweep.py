@@ -14,7 +14,9 @@ work of its goal.
 A unit is cut only where a rank's run ends: at most two cuts per rank, whole units
 everywhere else. Long units sit at the dense end and are shared by consecutive ranks, each
 holding a head and a tail of them; short units at the light end stay whole. One pass over
-the units (numpy) and ``cp`` bisections: no search.
+the units (numpy) and ``cp`` bisections: no search. The cut units are then cut again into
+nested rings (:func:`rings`) and, under causal kinds, so that their busiest holders receive
+less (:mod:`cp_magi.locality.heavy`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,10 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 from cp_magi.locality.bins import FREE
-from cp_magi.locality.cut_score import ORDER_NEAR, _cut_score, best_order
-from cp_magi.locality.expand import reshape
+from cp_magi.locality.counts import Holding, _merged
+from cp_magi.locality.heavy import MORE_PASSES, outer_heavy
 from cp_magi.locality.ring_order import ring_orders
-from cp_magi.locality.units import Part, Units
-
-Holding = dict[int, list[Part]]
+from cp_magi.locality.units import Units
 
 
 class Line:
@@ -156,7 +156,7 @@ def sweep(units: Units, cp: int, t: int, slack: float = 0.005) -> list[Holding]:
     if not units.model.graded:
         return out
     mean = float(line.cw[-1]) / cp
-    return outer_heavy(units, out, mean * (1 + 2 * slack))
+    return outer_heavy(units, out, mean * (1 + 2 * slack), front=True, more_passes=MORE_PASSES)
 
 
 def _count(line: Line, lo_end: int, hi_end: int, t: int, goal: float, slack: float
@@ -242,147 +242,4 @@ def rings(units: Units, holdings: list[Holding]) -> list[Holding]:
     return out
 
 
-def outer_heavy(units: Units, holdings: list[Holding], cap: float) -> list[Holding]:
-    """A causal unit held by several ranks, cut again so that the holder of its last row
-    holds more of it: that rank hands whole units of its other material to the unit's
-    other holders and takes as many more of this unit's rows, the head-tail cuts set front
-    to back so that every holder's work stays what it was (the head rows the outer holder
-    gains are light; :func:`cp_magi.locality.expand.reshape`). Token counts stay; a
-    hand-over is kept when it lowers the busiest of these ranks and no rank passes ``cap``.
-    Causal kinds only (the head-tail cut is theirs); other kinds come back as they were."""
-    model = units.model
-    if not model.graded:
-        return [dict(h) for h in holdings]
-    # Plain ints (numpy scalar indexing per unit is most of recv_of's and work_of's cost).
-    sizes: list[int] = units.sizes
-    works: list[int] = units.work.tolist()
-    holders: dict[int, list[int]] = {}
-    for r, held in enumerate(holdings):
-        for u in held:
-            if u != FREE:
-                holders.setdefault(u, []).append(r)
-    out = [dict(h) for h in holdings]
-    whole: dict[int, int] = {u: rs[0] for u, rs in holders.items()
-                             if len(rs) == 1 and out[rs[0]][u] == [(0, sizes[u])]}
-
-    # Every rank's work and received rows, kept up to date as units move and are cut again
-    # (a holder's other material is its total less the unit's share: summing it afresh per
-    # unit and holder was a third of this function's time). The causal counts inline (the
-    # graded kinds' model.work and model.recv): a call per part was most of these sums.
-    rank_w = [_causal_work(held) for held in out]
-    rank_r = [_causal_recv(held) for held in out]
-
-    for u in sorted((u for u, rs in holders.items() if len(rs) > 1),
-                    key=lambda v: (-sizes[v], v)):
-        length = sizes[u]
-        own_t = {r: sum(b - a for a, b in out[r][u]) for r in holders[u]}
-        # Front to back: the outer holder (highest top row) first, as the rings cut them.
-        top = {r: max((b for _, b in out[r][u]), default=0) for r in holders[u]}
-        rs = sorted(own_t, key=lambda r: (-top[r], r))
-        tokens = [own_t[r] for r in rs]
-        own_w = [_causal_work({u: out[r][u]}) for r in rs]
-        own_r = [_causal_recv({u: out[r][u]}) for r in rs]
-        goals = [float(w) for w in own_w]
-        other_w = [rank_w[r] - w for r, w in zip(rs, own_w)]
-        other_r = [rank_r[r] - v for r, v in zip(rs, own_r)]
-        best = _cut_score(length, tokens, goals, other_w, other_r, cap, float("inf"))
-        if best is None:
-            continue
-        moved, now = _hand_over(length, tokens, goals, other_w, other_r, cap, best,
-                                sorted((v for v in out[rs[0]] if whole.get(v) == rs[0]),
-                                       key=lambda v: (-sizes[v], v)), sizes, works)
-        for v, j in moved:
-            out[rs[j]][v] = out[rs[0]].pop(v)
-            whole[v] = rs[j]
-            rank_w[rs[0]] -= works[v]  # a whole unit receives nothing
-            rank_w[rs[j]] += works[v]
-        # Then the holders' depths, where another order lowers the busiest of them.
-        # (Only for units whose busiest holder is near the busiest rank so far: the others
-        # cannot lower it, and this is most of the time of the exchanges.)
-        order = best_order(length, tokens, goals, other_w, other_r, cap, now) \
-            if now >= ORDER_NEAR * max(rank_r) else None
-        if order is not None:
-            rs, tokens, goals, own_w, own_r = ([x[k] for k in order]
-                                               for x in (rs, tokens, goals, own_w, own_r))
-        # The cut of the last kept hand-over (or of none), built once.
-        for i, (r, shape) in enumerate(zip(rs, reshape(length, tokens, goals))):
-            parts = [p for p in shape if p[1] > p[0]]
-            if parts:
-                out[r][u] = _merged(parts)
-                rank_w[r] += _causal_work({u: parts}) - own_w[i]
-                rank_r[r] += _causal_recv({u: out[r][u]}) - own_r[i]
-            else:
-                out[r].pop(u, None)
-                rank_w[r] -= own_w[i]
-                rank_r[r] -= own_r[i]
-    return out
-
-
-def _hand_over(length: int, tokens: list[int], goals: list[float], other_w: list[int],
-               other_r: list[int], cap: float, best: float, movable: list[int],
-               sizes: list[int], works: list[int]) -> tuple[list[tuple[int, int]], float]:
-    """The whole units of ``movable`` (the outer holder's, largest first) handed to the
-    holder with most rows, each kept when :func:`_cut_score` is below the best so far, as
-    ``(unit, holder index)``; ``tokens``, ``goals`` and ``other_w`` are left as the kept
-    moves make them. In place, restored after a refused move (most are refused: copying
-    the lists per move cost more than scoring it)."""
-    moved: list[tuple[int, int]] = []
-    last = len(tokens) - 1
-    # The receiving holder: the one with most rows (tokens change only when a move is
-    # kept, so it is found again only then).
-    j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
-    for v in movable:
-        n = sizes[v]
-        tj = tokens[j]
-        if tj <= n:
-            continue
-        w = works[v]
-        t0, g0, gj, o0, oj = tokens[0], goals[0], goals[j], other_w[0], other_w[j]
-        tokens[0], tokens[j] = t0 + n, tj - n
-        goals[0], goals[j] = g0 + w, gj - w
-        other_w[0], other_w[j] = o0 - w, oj + w
-        got = _cut_score(length, tokens, goals, other_w, other_r, cap, best)
-        if got is None:
-            tokens[0], tokens[j] = t0, tj
-            goals[0], goals[j] = g0, gj
-            other_w[0], other_w[j] = o0, oj
-            continue
-        best = got
-        moved.append((v, j))
-        j = max(range(1, last + 1), key=lambda i: (tokens[i], -i))
-    return moved, best
-
-
-def _causal_work(held: Holding) -> int:
-    """Work of ``held``'s unit parts under the causal count (free slots carry none)."""
-    return sum((b * (b + 1) - a * (a + 1)) // 2
-               for v, ps in held.items() if v != FREE for a, b in ps if b > a)
-
-
-def _causal_recv(held: Holding) -> int:
-    """Key rows a holder of ``held`` receives under the causal count: per unit, its top
-    held row less the rows it holds."""
-    total = 0
-    for v, ps in held.items():
-        if v != FREE and ps:
-            top = 0
-            for a, b in ps:
-                total -= b - a
-                if b > top:
-                    top = b
-            total += top
-    return total
-
-
-def _merged(parts: list[Part]) -> list[Part]:
-    """Disjoint parts sorted, touching ones joined."""
-    out: list[Part] = []
-    for a, b in sorted(parts):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-__all__ = ["Line", "sweep", "rings", "outer_heavy"]
+__all__ = ["Line", "sweep", "rings"]
