@@ -61,8 +61,10 @@ class _Cuts:
                 if u != FREE:
                     holders.setdefault(u, []).append(r)
         self.holders = holders
-        self.whole: dict[int, int] = {u: rs[0] for u, rs in holders.items()
-                                      if len(rs) == 1 and self.out[rs[0]][u] == [(0, self.sizes[u])]}
+        # Whole units and their rank: what hand-overs may move.
+        self.whole: dict[int, int] = {
+            u: rs[0] for u, rs in holders.items()
+            if len(rs) == 1 and self.out[rs[0]][u] == [(0, self.sizes[u])]}
         self.rank_w = [_causal_work(held) for held in self.out]
         self.rank_r = [_causal_recv(held) for held in self.out]
         # Longest first; a unit loses holders here, it never gains one.
