@@ -54,8 +54,10 @@ EXPECTED_BACKEND_API = {
     # picklable shards (cp_core.loader)
     "PaddedDocumentIds",
     # a layout's closed-form p2p schedule (cp-te's dual-chunk builder, cp-magi's locality
-    # builder), the piece kinds it writes and the ring steps it returns
-    "SCHEDULE_BUILDER", "FULL", "CAUSAL", "ring_steps",
+    # builder), the pieces and piece kinds it writes, the generic builder's merge and buffer
+    # addressing of them, and the ring steps it returns
+    "SCHEDULE_BUILDER", "FULL", "CAUSAL", "ring_steps", "Piece", "merge_full_pieces",
+    "to_buffer_coords",
 }
 
 

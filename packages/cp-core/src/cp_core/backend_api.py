@@ -47,7 +47,14 @@ from cp_core.plan.record import (
     TransportOptions,
 )
 from cp_core.plan.rects import INF, BandRects, real_keys_only, segment_rects
-from cp_core.plan.pieces import CAUSAL, FULL, index_runs
+from cp_core.plan.pieces import (
+    CAUSAL,
+    FULL,
+    Piece,
+    index_runs,
+    merge_full_pieces,
+    to_buffer_coords,
+)
 from cp_core.runtime.transports.allgather import allgather_sdpa, gather_kv
 from cp_core.runtime.door import call_transport, check_local_shapes, resolve_causal
 from cp_core.batch.normalise import (
@@ -147,7 +154,8 @@ __all__ = [
     # transport building blocks
     "allgather_sdpa", "call_transport", "check_local_shapes", "resolve_causal", "gather_kv", "blocked_attention",
     "DEFAULT_BLOCK_BUDGET_BYTES", "fused_attention", "fused_schedule", "BandRects", "INF", "real_keys_only",
-    "segment_rects", "SCHEDULE_BUILDER", "FULL", "CAUSAL", "ring_steps",
+    "segment_rects", "SCHEDULE_BUILDER", "FULL", "CAUSAL", "ring_steps", "Piece",
+    "merge_full_pieces", "to_buffer_coords",
     "index_runs", "differentiable_all_gather", "record_collective", "ThreadStack",
     "peer_failures",
     # errors

@@ -15,27 +15,33 @@ mask with one causal square per unit a query part ``[a, b)`` of unit ``u`` sees
 So a rank's pieces come from the pairs of parts of the units it shares, and what it receives
 from ``s`` (sends to ``s``) is the union of ``s``'s parts below its own top part (its parts
 below ``s``'s top part), in storage order, touching ranges joined. The pieces are then merged
-and ordered as the generic builder orders them (causal squares in stream order, FULL pieces
-merged along keys, then along queries, sorted by key rows); ``tests/test_locality_schedule.py``
+and ordered by the generic builder's own functions (causal squares in stream order, then
+:func:`cp_core.plan.pieces.merge_full_pieces`, and per source
+:func:`cp_core.plan.pieces.to_buffer_coords` first); ``tests/test_locality_schedule.py``
 holds the two equal on every rank of many placements. Any other mask (windows, bidirectional,
 pad holes, rectangles of another stream) gets None, and the generic builder runs.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cp_core.backend_api import CAUSAL, FULL, INF, ring_steps
+from cp_core.backend_api import (
+    CAUSAL,
+    FULL,
+    INF,
+    Piece,
+    merge_full_pieces,
+    ring_steps,
+    to_buffer_coords,
+)
 from cp_magi.locality.counts import _merged as _joined  # sorted, touching ranges joined
 
-#: One piece in :class:`cp_core.plan.pieces.Piece` field order.
-PieceTuple = tuple[int, int, int, int, int, int, int, int, int]
 Ranges = list[tuple[int, int]]
-Parts = tuple[list[PieceTuple], list[tuple[int, Ranges, list[PieceTuple], int, Ranges]]]
+Parts = tuple[list[Piece], list[tuple[int, Ranges, list[Piece], int, Ranges]]]
 #: ``(unit, a, b, local row of a)``: rows ``[a, b)`` of ``unit`` (relative to its start),
 #: held from local row ``local`` on.
 UnitPart = tuple[int, int, int, int]
@@ -87,21 +93,21 @@ class LocalitySchedule:
                     if a > top.get((s, u), -1):
                         top[(s, u)] = a
 
-        causal: list[PieceTuple] = []
-        full: dict[int, list[PieceTuple]] = {}
+        causal: list[Piece] = []
+        full: dict[int, list[Piece]] = {}
         recv: dict[int, Ranges] = {}
         send: dict[int, Ranges] = {}
         for u, a, e, loc in mine:
             n = e - a
             if n > 1:
-                causal.append((b, loc, loc + n, rank, loc, loc + n, CAUSAL, -INF, INF))
+                causal.append(Piece(b, loc, loc + n, rank, loc, loc + n, CAUSAL))
             else:
-                full.setdefault(rank, []).append((b, loc, loc + 1, rank, loc, loc + 1, FULL,
-                                                  -INF, INF))
+                full.setdefault(rank, []).append(Piece(b, loc, loc + 1, rank, loc, loc + 1,
+                                                       FULL))
             for s, c, d, kloc in holders[u]:
                 if d <= a:
-                    full.setdefault(s, []).append((b, loc, loc + n, s, kloc, kloc + d - c,
-                                                   FULL, -INF, INF))
+                    full.setdefault(s, []).append(Piece(b, loc, loc + n, s, kloc,
+                                                        kloc + d - c, FULL))
         for u in shared:
             hs = holders[u]
             if len(hs) < 2:  # one part, ours: nothing moves for it
@@ -116,47 +122,10 @@ class LocalitySchedule:
                     recv.setdefault(s, []).append((kloc, kloc + d - c))
         recv = {s: _joined(r) for s, r in recv.items()}
         send = {s: _joined(r) for s, r in send.items()}
-        local = causal + _merge_full(full.pop(rank, []))
-        by_src = {s: _merge_full(_to_buffer(ps, recv[s])) for s, ps in full.items()}
+        local = causal + merge_full_pieces(full.pop(rank, []))
+        by_src = {s: merge_full_pieces(to_buffer_coords(ps, recv[s]))
+                  for s, ps in full.items()}
         return local, ring_steps(rank, len(self.parts), recv, by_src, send)
-
-
-def _to_buffer(pieces: list[PieceTuple], needed: Ranges) -> list[PieceTuple]:
-    """Pieces re-addressed to a receive buffer holding ``needed`` back to back (each piece's
-    keys lie inside one needed range)."""
-    starts = [a for a, _ in needed]
-    shifts, pos = [], 0
-    for a, e in needed:
-        shifts.append(pos - a)
-        pos += e - a
-    out = []
-    for p in pieces:
-        shift = shifts[bisect_right(starts, p[4]) - 1]
-        out.append((p[0], p[1], p[2], p[3], p[4] + shift, p[5] + shift, p[6], p[7], p[8]))
-    return out
-
-
-def _merge_full(pieces: list[PieceTuple]) -> list[PieceTuple]:
-    """FULL pieces of the same query rows whose keys touch joined, then those of the same
-    keys whose query rows touch, sorted by (key rows, query rows): the generic builder's
-    order (:func:`cp_core.plan.pieces.merge_full_pieces`)."""
-    if len(pieces) < 2:
-        return pieces
-    merged: list[PieceTuple] = []
-    for p in sorted(pieces, key=lambda p: (p[1], p[2], p[4])):
-        last = merged[-1] if merged else None
-        if last is not None and last[1] == p[1] and last[2] == p[2] and last[5] == p[4]:
-            merged[-1] = last[:5] + (p[5],) + last[6:]
-        else:
-            merged.append(p)
-    out: list[PieceTuple] = []
-    for p in sorted(merged, key=lambda p: (p[4], p[5], p[1])):
-        last = out[-1] if out else None
-        if last is not None and last[4] == p[4] and last[5] == p[5] and last[2] == p[1]:
-            out[-1] = last[:2] + (p[2],) + last[3:]
-        else:
-            out.append(p)
-    return out
 
 
 __all__ = ["LocalitySchedule", "UnitPart"]
