@@ -106,17 +106,18 @@ ORDER_NEAR = 0.9
 
 
 def best_order(length: int, tok: list[int], gl: list[float], ow: list[int], orr: list[int],
-               cap: float, best: float) -> list[int] | None:
+               cap: float, best: float) -> tuple[list[int] | None, float]:
     """The holders front to back (indices into the lists) for :func:`_cut_score`'s cut: every
     exchange of two holders' depths (each keeping its rows, work goal and other material)
     tried in turn, kept when the busiest holder receives fewer rows and none passes ``cap``;
-    ``best``: the given order's score. None when no exchange helps, or the unit has more than
-    :data:`ORDER_HOLDERS` holders (the cost). The rings' order (:mod:`cp_magi.locality.
+    ``best``: the given order's score. As ``(order, its score)``; the order None (and the
+    score ``best``) when no exchange helps, or the unit has more than :data:`ORDER_HOLDERS`
+    holders (the cost). The rings' order (:mod:`cp_magi.locality.
     ring_order`) counts ring cuts only; this one counts the cut the unit will get, after its
     outer holder's hand-overs made it head-heavy."""
     n = len(tok)
     if n < 2 or n > ORDER_HOLDERS:
-        return None
+        return None, best
     order = list(range(n))
     kept = False
     for _ in range(ORDER_PASSES):
@@ -132,7 +133,7 @@ def best_order(length: int, tok: list[int], gl: list[float], ow: list[int], orr:
         if not changed:
             break
         kept = True
-    return order if kept else None
+    return (order if kept else None), best
 
 
 __all__ = ["_cut_score", "_hand_over", "best_order", "ORDER_HOLDERS", "ORDER_PASSES", "ORDER_NEAR"]

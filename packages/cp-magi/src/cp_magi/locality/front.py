@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from cp_magi.locality.counts import _causal_recv
 from cp_magi.locality.cut_score import _cut_score, _hand_over, best_order
 from cp_magi.locality.expand import reshape
 
@@ -39,26 +40,22 @@ def cut_receives(length: int, tokens: list[int], goals: list[float],
                  other_r: list[int]) -> list[int]:
     """Rows each holder receives in all (``other_r`` for its other units) when the unit is
     cut by :func:`cp_magi.locality.expand.reshape`, holders front to back."""
-    got = []
-    for shape, other in zip(reshape(length, tokens, goals), other_r):
-        parts = [p for p in shape if p[1] > p[0]]
-        top = max((b for _, b in parts), default=0)
-        got.append(other + top - sum(b - a for a, b in parts))
-    return got
+    return [other + _causal_recv({0: [p for p in shape if p[1] > p[0]]})
+            for shape, other in zip(reshape(length, tokens, goals), other_r)]
 
 
 def front_alternative(length: int, rs: list[int], start: Lists, other_r: list[int],
                       own_w: list[int], own_r: list[int], cap: float, now: float,
                       order: list[int] | None, tokens: list[int], goals: list[float],
-                      other_w: list[int], movable: Callable[[int], list[int]],
-                      sizes: list[int], works: list[int]) -> Found | None:
-    """The busiest holder of the standard path's cut (``tokens``, ``goals``, ``other_w``
-    after the outer holder's hand-overs, holders in ``order``; ``now`` its score) put in
-    front, from the lists as they were before those hand-overs (``start``: tokens, goals,
-    other work), with its own hand-overs (``movable(rank)``: a rank's whole units) and the
-    depths searched again. Returns ``(rs, tokens, goals, own_w, own_r, moved, order)`` in the
-    caller's terms when the unit's busiest holder receives fewer rows than the standard
-    path's, else None. ``sizes`` and ``works``: every unit's rows and work."""
+                      movable: Callable[[int], list[int]], sizes: list[int],
+                      works: list[int]) -> Found | None:
+    """The busiest holder of the standard path's cut (``tokens`` and ``goals`` after the
+    outer holder's hand-overs, holders in ``order``; ``now`` its score) put in front, from
+    the lists as they were before those hand-overs (``start``: tokens, goals, other work),
+    with its own hand-overs (``movable(rank)``: a rank's whole units) and the depths searched
+    again. Returns ``(rs, tokens, goals, own_w, own_r, moved, order)`` in the caller's terms
+    when the unit's busiest holder receives fewer rows than the standard path's, else None.
+    ``sizes`` and ``works``: every unit's rows and work."""
     n = len(rs)
     o = list(range(n)) if order is None else order
     got = cut_receives(length, _in_order(tokens, o), _in_order(goals, o),
@@ -67,9 +64,6 @@ def front_alternative(length: int, rs: list[int], start: Lists, other_r: list[in
     i = o[busiest]
     if i == 0 or busiest == 0:
         return None  # already in front (or the outer holder: its hand-overs were tried)
-    score = _cut_score(length, _in_order(tokens, o), _in_order(goals, o),
-                       _in_order(other_w, o), _in_order(other_r, o), cap, float("inf"))
-    best = now if score is None else score
     perm = [i] + [k for k in range(n) if k != i]
     tok, gl, ow = ([xs[k] for k in perm] for xs in start)
     orr = [other_r[k] for k in perm]
@@ -78,11 +72,8 @@ def front_alternative(length: int, rs: list[int], start: Lists, other_r: list[in
         return None
     moved, score = _hand_over(length, tok, gl, ow, orr, cap, first, movable(rs[i]), sizes,
                               works)
-    again = best_order(length, tok, gl, ow, orr, cap, score)
-    if again is not None:
-        score = _cut_score(length, _in_order(tok, again), _in_order(gl, again),
-                           _in_order(ow, again), _in_order(orr, again), cap, float("inf"))
-    if score is None or score >= best:
+    again, score = best_order(length, tok, gl, ow, orr, cap, score)
+    if score >= now:
         return None
     return ([rs[k] for k in perm], tok, gl, [own_w[k] for k in perm],
             [own_r[k] for k in perm], moved, again)

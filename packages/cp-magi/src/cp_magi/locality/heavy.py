@@ -117,11 +117,12 @@ class _Cuts:
         # units whose busiest holder is near the busiest rank so far: the others cannot
         # lower it, and this is most of the time of the exchanges).
         busiest = max(rank_r)
-        order = best_order(length, tokens, goals, other_w, other_r, cap, now) \
-            if now >= ORDER_NEAR * busiest else None
+        order = None
+        if now >= ORDER_NEAR * busiest:
+            order, now = best_order(length, tokens, goals, other_w, other_r, cap, now)
         if front and now >= FRONT_NEAR * busiest:
             alt = front_alternative(length, rs, start, other_r, own_w, own_r, cap, now, order,
-                                    tokens, goals, other_w, self.movable, sizes, works)
+                                    tokens, goals, self.movable, sizes, works)
             if alt is not None:
                 rs, tokens, goals, own_w, own_r, moved, order = alt
         for v, j in moved:
